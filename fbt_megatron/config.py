@@ -1,0 +1,134 @@
+"""The model's configuration: megatron-core's TransformerConfig plus what FBT adds.
+
+Architecture fields follow the paper's names; megatron-core fields (window_size,
+window_attn_skip_freq, ...) are derived in ``__post_init__`` so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+from fbt_megatron import platform
+
+
+@dataclass
+class FBTConfig(TransformerConfig):
+    # --- language model (GPTModel arguments, kept here so a config describes a whole model)
+    vocab_size: int = 100352
+    """Vocabulary size as used by the embedding (already padded; see tokenizer padding)."""
+    seq_length: int = 8192
+    rotary_base: float = 10000.0
+
+    # --- backbone details of the paper's architecture
+    depth_scale: Optional[float] = None
+    """α in h ← h + α·RMSNorm_post(Sublayer(RMSNorm_pre(h))); None means 1/√(2L)."""
+    sandwich_norm: bool = True
+    """RMSNorm after every sublayer (before the residual add)."""
+    headwise_attention_gate: bool = True
+    """Scale each head's attention output by sigmoid(w_hᵀ x) before the output projection."""
+    sliding_window: Optional[int] = None
+    """W: position t attends to t−W+1 … t; None: every layer is global."""
+    full_attention_every: Optional[int] = None
+    """Layers whose 1-based index is divisible by this use global attention (paper: 6)."""
+
+    # --- latent feedback (the FBT part)
+    latent_feedback: bool = True
+    """Build the fusion u_t = RMSNorm(W_U s_{t−1} ⊙ σ(W_G e_t)); False gives the plain baseline."""
+    feedback_state: Literal["residual", "final_norm"] = "residual"
+    """Which top state s is fed back: the last layer's residual stream, or it after the final norm."""
+    feedback_jitter: float = 0.02
+    """σ of the Gaussian jitter added to the carried state while training."""
+    prefix_mixin_prob: float = 0.5
+    """Per sequence and fused pass: probability of keeping a random prefix on plain embeddings."""
+    prefix_mixin_max_fraction: float = 1.0
+    """The prefix length p is uniform on {0, …, ⌊f·T⌋−1} (f=1: uniform over the sequence)."""
+    pass_weights: Optional[tuple] = None
+    """Weights of the per-pass losses in the total; None means the mean over passes."""
+    detach_feedback: bool = False
+    """Ablation only: stop gradients at the carried state (truncated backprop through passes)."""
+    recompute_passes: bool = False
+    """Pass-level activation checkpointing: keep each pass's input, recompute the pass in backward."""
+
+    def __post_init__(self):
+        if self.depth_scale is None:
+            self.depth_scale = 1.0 / math.sqrt(2 * self.num_layers)
+        if self.sliding_window is not None:
+            if self.sliding_window < 1:
+                raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+            # megatron/TE convention (left, right): W tokens including the current one
+            self.window_size = (self.sliding_window - 1, 0)
+            self.window_attn_skip_freq = self.full_attention_every
+        if not 0.0 <= self.prefix_mixin_prob <= 1.0:
+            raise ValueError(f"prefix_mixin_prob must be in [0, 1], got {self.prefix_mixin_prob}")
+        if not 0.0 < self.prefix_mixin_max_fraction <= 1.0:
+            raise ValueError("prefix_mixin_max_fraction must be in (0, 1]")
+        super().__post_init__()
+
+
+# Presets: the paper's architecture at two sizes. Fields not listed take FBTConfig's defaults.
+_COMMON = dict(
+    normalization="RMSNorm",
+    layernorm_epsilon=1e-6,
+    qk_layernorm=True,
+    gated_linear_unit=True,  # SwiGLU: W_down(silu(W_gate x) ⊙ W_up x)
+    activation_func=F.silu,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    init_method_std=0.02,
+)
+
+PRESETS = {
+    "tiny": dict(
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=192,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        vocab_size=1024,
+        seq_length=128,
+        sliding_window=32,
+        full_attention_every=2,
+    ),
+    "fbt-1b": dict(
+        num_layers=24,
+        hidden_size=1536,
+        ffn_hidden_size=6656,
+        num_attention_heads=16,
+        num_query_groups=8,
+        kv_channels=96,
+        vocab_size=100352,
+        seq_length=8192,
+        sliding_window=2048,
+        full_attention_every=6,
+    ),
+}
+
+
+def make_config(preset: str, **overrides) -> FBTConfig:
+    """An FBTConfig for a preset; ``overrides`` are any FBTConfig/TransformerConfig fields."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    names = {f.name for f in dataclasses.fields(FBTConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
+    fields = {**_COMMON, **PRESETS[preset], **overrides}
+    fields.setdefault("params_dtype", torch.float32)
+    # CPU: initialise full weights then split them, so every parallel layout starts identical
+    fields.setdefault("use_cpu_initialization", not platform.on_gpu())
+    return FBTConfig(**fields)

@@ -1,0 +1,176 @@
+"""Full-Bandwidth Transformer: latent feedback fusion and the k-pass training step.
+
+Pass 1 is the standard forward. Pass j > 1 feeds back pass j−1's top states s^{(j−1)}:
+
+    u_t = RMSNorm_fb( W_U (s^{(j−1)}_{t−1} + ε_t) ⊙ sigmoid(W_G e_t) )        (paper eq. F4)
+
+for positions t ≥ 2 beyond the sequence's prefix-mixin length p, and u_t = e_t elsewhere;
+ε ~ N(0, σ²) is the jitter on the carried state (training only). Every pass runs the whole
+stack on all positions in parallel and gets its own next-token loss; gradients flow through
+all passes. Positions are 1-based in comments and 0-based in code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Union
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class Feedback:
+    """What a fused pass receives from the previous one."""
+
+    state: torch.Tensor  # s^{(j−1)} [s, b, h], not yet shifted
+    fuse_mask: torch.Tensor  # [s, b] bool: True where u_t replaces e_t (t ≥ 2 and t > p)
+    jitter: Optional[torch.Tensor] = None  # ε [s, b, h] on the carried state, or None
+
+
+@dataclass
+class LatentFeedbackFusionSubmodules:
+    norm: Union[ModuleSpec, type]
+
+
+class LatentFeedbackFusion(MegatronModule):
+    """The GLU fusion: the carried state is the value, the token only gates (2·D² + D params)."""
+
+    def __init__(self, config, submodules: LatentFeedbackFusionSubmodules):
+        super().__init__(config)
+        d = config.hidden_size
+        self.linear_state = torch.nn.Linear(d, d, bias=False, dtype=config.params_dtype)  # W_U
+        self.linear_gate = torch.nn.Linear(d, d, bias=False, dtype=config.params_dtype)  # W_G
+        self.norm = build_module(submodules.norm, config=config, hidden_size=d, eps=config.layernorm_epsilon)
+        for weight in (self.linear_state.weight, self.linear_gate.weight):
+            if config.perform_initialization:
+                config.init_method(weight)
+            setattr(weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, embeddings: torch.Tensor, feedback: Feedback) -> torch.Tensor:
+        carried = right_shift(feedback.state)  # s_{t−1} at position t
+        if feedback.jitter is not None:
+            carried = carried + feedback.jitter  # s_{t−1} + ε
+        fused = self.norm(self.linear_state(carried) * torch.sigmoid(self.linear_gate(embeddings)))  # eq. F4
+        return torch.where(feedback.fuse_mask.unsqueeze(-1), fused, embeddings)
+
+
+def right_shift(state: torch.Tensor) -> torch.Tensor:
+    """[s, b, h] → the same with position t holding position t−1 (zeros at t = 1, never fused)."""
+    return torch.cat([torch.zeros_like(state[:1]), state[:-1]], dim=0)
+
+
+# ---------------------------------------------------------------- per-sequence random draws
+# Prefix lengths and jitter are drawn from generators seeded by (sequence seed, pass, stream), so
+# they depend on which sequence is drawn for, never on how the batch is split across ranks or
+# microbatches, and a recomputed pass sees the same numbers.
+_PREFIX, _JITTER = 1, 2
+
+
+def _generator(sequence_seed: int, pass_index: int, stream: int, device) -> torch.Generator:
+    mixed = (sequence_seed * 1_000_003 + pass_index * 7_919 + stream) % (2**63 - 1)
+    return torch.Generator(device=device).manual_seed(mixed)
+
+
+def prefix_lengths(config, sequence_seeds: List[int], pass_index: int, seq_len: int) -> torch.Tensor:
+    """Prefix mixin: per sequence, with probability q, p ~ U{0, …, ⌊f·T⌋−1}; else p = 0."""
+    high = max(1, int(config.prefix_mixin_max_fraction * seq_len))
+    lengths = []
+    for seed in sequence_seeds:
+        g = _generator(seed, pass_index, _PREFIX, "cpu")
+        use = torch.rand((), generator=g).item() < config.prefix_mixin_prob
+        p = torch.randint(0, high, (), generator=g).item()
+        lengths.append(p if use else 0)
+    return torch.tensor(lengths, dtype=torch.long)
+
+
+def fuse_mask(prefix: torch.Tensor, seq_len: int, device) -> torch.Tensor:
+    """[s, b] bool, True at 1-based positions t ≥ 2 with t > p."""
+    positions = torch.arange(seq_len).unsqueeze(1)  # 0-based index = t − 1
+    return (positions >= prefix.clamp(min=1).unsqueeze(0)).to(device)
+
+
+def jitter(config, sequence_seeds: List[int], pass_index: int, shape, device, dtype) -> torch.Tensor:
+    """ε ~ N(0, σ²) of shape [s, b, h], one generator per sequence."""
+    seq_len, _, hidden = shape
+    noise = [
+        torch.randn(seq_len, hidden, generator=_generator(seed, pass_index, _JITTER, device), device=device)
+        for seed in sequence_seeds
+    ]
+    return (config.feedback_jitter * torch.stack(noise, dim=1)).to(dtype)
+
+
+def make_feedback(config, state: torch.Tensor, sequence_seeds: List[int], pass_index: int, training: bool) -> Feedback:
+    """Feedback for pass `pass_index` (≥ 2) from the previous pass's top states."""
+    seq_len = state.shape[0]
+    prefix = prefix_lengths(config, sequence_seeds, pass_index, seq_len) if training else torch.zeros(len(sequence_seeds), dtype=torch.long)
+    eps = None
+    if training and config.feedback_jitter > 0:
+        eps = jitter(config, sequence_seeds, pass_index, state.shape, state.device, state.dtype)
+    return Feedback(state=state, fuse_mask=fuse_mask(prefix, seq_len, state.device), jitter=eps)
+
+
+# ---------------------------------------------------------------- the multi-pass step
+@dataclass
+class MultiPassOutput:
+    loss: torch.Tensor  # Σ_j w_j L_j, differentiable
+    pass_losses: List[torch.Tensor]  # L_j, detached
+    state_deltas: List[torch.Tensor]  # RMS over tokens of s^{(j)} − s^{(j−1)}, j = 2..k, detached
+    top_state: torch.Tensor  # s^{(k)}
+
+
+def pass_weights(config, num_passes: int) -> List[float]:
+    if config.pass_weights is None:
+        return [1.0 / num_passes] * num_passes
+    if len(config.pass_weights) < num_passes:
+        raise ValueError(f"pass_weights has {len(config.pass_weights)} entries but {num_passes} passes were asked for")
+    return list(config.pass_weights[:num_passes])
+
+
+def masked_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    loss_mask = loss_mask.to(token_loss.dtype)
+    return (token_loss * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+
+
+def multi_pass_loss(
+    model,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_passes: int,
+    sequence_seeds: List[int],
+    feedback_fn: Optional[Callable[[torch.Tensor, int], Feedback]] = None,
+) -> MultiPassOutput:
+    """k passes of teacher-forced training on one microbatch ([b, s] tokens/labels/mask).
+
+    `sequence_seeds` (one int per sequence) seed its prefix-mixin and jitter draws;
+    `feedback_fn(state, j)` may replace those draws (tests pass fixed prefixes/noise)."""
+    config = model.config
+    if num_passes < 1:
+        raise ValueError(f"num_passes must be >= 1, got {num_passes}")
+    if feedback_fn is None:
+        feedback_fn = lambda state, j: make_feedback(config, state, sequence_seeds, j, model.training)
+    weights = pass_weights(config, num_passes)
+    embeddings = model.embed(tokens)  # e_t, shared by every pass
+
+    def run_pass(e, state, mask, eps):
+        feedback = None if state is None else Feedback(state, mask, eps)
+        return model(tokens, labels=labels, embeddings=e, feedback=feedback)
+
+    total, losses, deltas, prev = 0.0, [], [], None
+    for j in range(1, num_passes + 1):
+        fb = None if prev is None else feedback_fn(prev, j)
+        args = (embeddings, prev, None, None) if fb is None else (embeddings, fb.state, fb.fuse_mask, fb.jitter)
+        if config.recompute_passes:  # keep only the pass's inputs; recompute it in backward
+            token_loss, top = tensor_parallel.checkpoint(run_pass, False, *args)
+        else:
+            token_loss, top = run_pass(*args)
+        loss_j = masked_mean(token_loss, loss_mask)
+        total = total + weights[j - 1] * loss_j
+        losses.append(loss_j.detach())
+        if prev is not None:
+            deltas.append((top.detach() - prev.detach()).float().pow(2).mean().sqrt())
+        prev = top.detach() if config.detach_feedback else top
+    return MultiPassOutput(loss=total, pass_losses=losses, state_deltas=deltas, top_state=prev)

@@ -1,0 +1,177 @@
+"""The Full-Bandwidth Transformer on megatron-core's GPTModel, composed from ModuleSpecs.
+
+One spec-building function serves both back ends: Transformer Engine (FP8-capable GEMMs, fused
+norms, TE attention) when it is usable, megatron-core's local modules otherwise. The FBT pieces
+(headwise gate, sandwich norms, fusion) are the same modules in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+from fbt_megatron import platform
+from fbt_megatron.config import FBTConfig
+from fbt_megatron.fbt import Feedback, LatentFeedbackFusion, LatentFeedbackFusionSubmodules
+from fbt_megatron.layers import (
+    FBTTransformerLayer,
+    FBTTransformerLayerSubmodules,
+    HeadwiseGatedSelfAttention,
+    HeadwiseGatedSelfAttentionSubmodules,
+    RMSNorm,
+)
+
+
+@dataclass
+class FBTModelSubmodules:
+    decoder_layer: ModuleSpec
+    final_layernorm: Union[ModuleSpec, type]
+    feedback_fusion: Optional[ModuleSpec]
+
+
+def fbt_model_spec(config: FBTConfig, use_transformer_engine: Optional[bool] = None) -> FBTModelSubmodules:
+    """ModuleSpecs of the whole model; TE is used when available unless told otherwise."""
+    te = platform.have_transformer_engine() if use_transformer_engine is None else use_transformer_engine
+    if te:
+        platform.require_transformer_engine("the Transformer Engine spec")
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TEDotProductAttention,
+            TENorm,
+            TERowParallelLinear,
+        )
+
+        norm, col, row, core_attention = TENorm, TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention
+    else:
+        norm, col, row, core_attention = RMSNorm, ColumnParallelLinear, RowParallelLinear, DotProductAttention
+
+    qk_norm = norm if config.qk_layernorm else None
+    attn_submodules = dict(
+        linear_qkv=col, core_attention=core_attention, linear_proj=row, q_layernorm=qk_norm, k_layernorm=qk_norm
+    )
+    if config.headwise_attention_gate:
+        # the gate has `heads` outputs: too narrow for FP8 GEMMs, so it stays a megatron linear
+        attention = ModuleSpec(
+            module=HeadwiseGatedSelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=HeadwiseGatedSelfAttentionSubmodules(**attn_submodules, linear_gate=ColumnParallelLinear),
+        )
+    else:
+        attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(**attn_submodules),
+        )
+    post_norm = norm if config.sandwich_norm else IdentityOp
+    layer = ModuleSpec(
+        module=FBTTransformerLayer,
+        submodules=FBTTransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=attention,
+            post_self_attn_layernorm=post_norm,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)),
+            post_mlp_layernorm=post_norm,
+        ),
+    )
+    fusion = None
+    if config.latent_feedback:
+        fusion = ModuleSpec(module=LatentFeedbackFusion, submodules=LatentFeedbackFusionSubmodules(norm=norm))
+    return FBTModelSubmodules(decoder_layer=layer, final_layernorm=norm, feedback_fusion=fusion)
+
+
+class FBTModel(GPTModel):
+    """GPTModel whose final norm sits outside the decoder so that the top state s (the residual
+    stream after the last layer) is available to feed back, and whose first stage can build
+    its input from the previous pass's top states (``feedback``)."""
+
+    def __init__(
+        self,
+        config: FBTConfig,
+        spec: Optional[FBTModelSubmodules] = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: Optional[int] = None,
+        pg_collection=None,
+    ):
+        spec = spec or fbt_model_spec(config)
+        block = TransformerBlockSubmodules(
+            layer_specs=[spec.decoder_layer] * get_num_layers_to_build(config, vp_stage),
+            layer_norm=None,  # the final norm is applied by this model, after the top state
+        )
+        super().__init__(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=config.vocab_size,
+            max_sequence_length=config.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=True,  # logits = RMSNorm_final(h_L) · Eᵀ
+            position_embedding_type="rope",
+            rotary_base=config.rotary_base,
+            vp_stage=vp_stage,
+            pg_collection=pg_collection,
+        )
+        if post_process:
+            self.final_layernorm = build_module(
+                spec.final_layernorm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+            )
+        self.feedback_fusion = None
+        if pre_process and spec.feedback_fusion is not None:
+            self.feedback_fusion = build_module(spec.feedback_fusion, config=config)
+
+    def embed(self, input_ids, position_ids=None):
+        """e_t = E[x_t] as [s, b, h] (scattered along the sequence under SP)."""
+        return self.embedding(input_ids=input_ids, position_ids=position_ids)
+
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        attention_mask=None,
+        labels=None,
+        embeddings=None,
+        feedback: Optional[Feedback] = None,
+    ):
+        """One pass. Returns ``(output, top_state)``: output is the per-token loss [b, s] when
+        labels are given, else logits [b, s, V/tp]; top_state is s [s, b, h], the state fed back
+        to the next pass. On a non-final pipeline stage: (hidden states, None).
+        ``embeddings`` (e_t, from ``embed``) may be passed in to share them across passes."""
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self.embed(input_ids, position_ids) if embeddings is None else embeddings
+            if feedback is not None:
+                if self.feedback_fusion is None:
+                    raise ValueError("this model was built without latent feedback (latent_feedback=False)")
+                decoder_input = self.feedback_fusion(decoder_input, feedback)  # u_t where fused
+        decoder_input, rotary_pos_emb, *_ = self._preprocess(
+            input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input
+        )
+        hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        if not self.post_process:
+            return hidden, None
+        normed = self.final_layernorm(hidden)
+        top_state = normed if self.config.feedback_state == "final_norm" else hidden
+        output = self._postprocess(
+            hidden_states=normed,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            labels=labels,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=None,
+            rotary_pos_sin=None,
+        )
+        return output, top_state

@@ -1,0 +1,201 @@
+"""The only module that knows about the device.
+
+With a GPU: CUDA + NCCL, and every function here is a pass-through (megatron-core runs as shipped).
+Without one: CPU + gloo, and `install()` makes megatron-core's CUDA-only call sites work on CPU
+(see shared/notes/megatron-cpu.md for the call sites):
+  * factory calls with ``device="cuda"`` (causal masks, schedules, optimizer buffers) and
+    ``Tensor.cuda()`` are redirected to the CPU by a TorchFunctionMode, also inside the
+    backward of megatron's activation recompute;
+  * ``torch.cuda.current_device()`` names the CPU, ``torch.cuda.synchronize()`` is a no-op;
+  * the model-parallel RNG tracker keeps CPU generator states (the device generator *is* the
+    CPU generator here), so forked dropout and activation recompute replay the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+
+
+def backend() -> str:
+    return "nccl" if on_gpu() else "gloo"
+
+
+def have_transformer_engine() -> bool:
+    """True when Transformer Engine is importable *and* usable (it needs CUDA)."""
+    if not on_gpu():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_transformer_engine(what: str) -> None:
+    if not have_transformer_engine():
+        raise RuntimeError(
+            f"{what} needs Transformer Engine on a CUDA machine; install the GPU extras "
+            "(pip install -r requirements-gpu.txt, or use an NGC PyTorch container)"
+        )
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for code written for GPUs only."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _CpuRNGStatesTracker:
+    """Megatron's CudaRNGStatesTracker on CPU generator states (same names, same semantics)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+        self._current_state_name = "default-rng"
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        if seed in self.seeds_ or name in self.states_:
+            raise RuntimeError(f"rng state {name} (seed {seed}) already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def install() -> None:
+    """Make megatron-core usable on this process's device. Idempotent; a no-op on GPU."""
+    global _installed
+    if _installed or on_gpu():
+        _installed = True
+        return
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    # activation recompute saves/restores "the device generator": on CPU that is the CPU one
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mp_random._CUDA_RNG_STATE_TRACKER = _CpuRNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _CudaToCpu().__enter__()  # stays active for the life of the process, on this thread ...
+    # ... but autograd runs backward without torch-function modes: activation recompute
+    # re-runs forward code (causal masks on "cuda") there, so it gets the mode too
+    recompute_backward = mp_random.CheckpointFunction.backward
+
+    def backward_on_cpu(ctx, *grads):
+        with _CudaToCpu():
+            return recompute_backward(ctx, *grads)
+
+    mp_random.CheckpointFunction.backward = staticmethod(backward_on_cpu)
+    _installed = True
+
+
+def seed(seed_value: int) -> None:
+    """Megatron's seeding: one default stream (same on every rank of a model-parallel group),
+    a tensor-parallel stream that differs per TP rank (forked for dropout inside TP regions)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if on_gpu():
+        torch.manual_seed(seed_value)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed_value)
+        return
+    torch.manual_seed(seed_value)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.reset()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tracker.add("data-parallel-rng", seed_value)
+    tracker.add("model-parallel-rng", seed_value + 2718 + tp_rank)
+    tracker.add("expert-parallel-rng", seed_value + 1024)
+
+
+def init_distributed(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    seed_value: int = 1234,
+    timeout_s: int = 600,
+) -> None:
+    """Start torch.distributed (env:// under torchrun, a private one-process group otherwise)
+    and megatron-core's parallel state, then seed. The one entry point every process calls."""
+    from megatron.core import parallel_state
+
+    install()
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:  # torchrun / srun with the env:// variables
+            if on_gpu():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend(), timeout=timeout)
+        else:  # launched alone: a group of one on a private port
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group(backend(), init_method=init, rank=0, world_size=1, timeout=timeout)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+        )
+    seed(seed_value)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
