@@ -30,8 +30,7 @@ def logits_of(model, x):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_single_pass_matches_reference(variant):
-    overrides = dict(sliding_window=8, **VARIANTS[variant]) if "sliding_window" not in VARIANTS[variant] else VARIANTS[variant]
-    model = build(**overrides)
+    model = build(**{"sliding_window": 8, **VARIANTS[variant]})
     x = tokens()[:, :-1]
     ref_logits, _ = Reference(model.config, model.state_dict()).forward(x)
     torch.testing.assert_close(logits_of(model, x), ref_logits, rtol=1e-5, atol=1e-5)
