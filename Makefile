@@ -8,8 +8,13 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(ACT) pip install -q --upgrade pip && pip install -q -r requirements.txt -e .
 	touch $@
 
-.PHONY: setup test
+.PHONY: setup demo test
 setup: $(VENV)/.installed
+
+# prepare the embedded corpus, train a baseline and an FBT model on CPU, compare them;
+# longer: make demo DEMO_ARGS="--train-iters 3000 --twice-tokens"
+demo: setup
+	$(ACT) python tools/demo.py $(DEMO_ARGS)
 
 test: setup
 	$(ACT) python -m pytest -q

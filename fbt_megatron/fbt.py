@@ -13,7 +13,7 @@ all passes. Positions are 1-based in comments and 0-based in code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from megatron.core import tensor_parallel
@@ -66,11 +66,12 @@ def right_shift(state: torch.Tensor) -> torch.Tensor:
 # Prefix lengths and jitter are drawn from generators seeded by (sequence seed, pass, stream), so
 # they depend on which sequence is drawn for, never on how the batch is split across ranks or
 # microbatches, and a recomputed pass sees the same numbers.
-_PREFIX, _JITTER = 1, 2
+_PREFIX, _JITTER, _SCHEDULE = 1, 2, 3
 
 
-def _generator(sequence_seed: int, pass_index: int, stream: int, device) -> torch.Generator:
-    mixed = (sequence_seed * 1_000_003 + pass_index * 7_919 + stream) % (2**63 - 1)
+def _generator(seed: int, index: int, stream: int, device) -> torch.Generator:
+    """A generator fixed by (seed, index, stream): (sequence seed, pass) or (run seed, step)."""
+    mixed = (seed * 1_000_003 + index * 7_919 + stream) % (2**63 - 1)
     return torch.Generator(device=device).manual_seed(mixed)
 
 
@@ -174,3 +175,28 @@ def multi_pass_loss(
             deltas.append((top.detach() - prev.detach()).float().pow(2).mean().sqrt())
         prev = top.detach() if config.detach_feedback else top
     return MultiPassOutput(loss=total, pass_losses=losses, state_deltas=deltas, top_state=prev)
+
+
+# ---------------------------------------------------------------- the pass schedule
+@dataclass(frozen=True)
+class PassSchedule:
+    """k for each training step: ``passes`` before ``mixture_start``, then drawn from ``mixture``
+    (e.g. {1: 0.75, 2: 0.22, 3: 0.03}). A pure function of (seed, step): every rank, and a
+    resumed run, computes the same k without communicating."""
+
+    seed: int
+    passes: int = 1
+    mixture: Optional[Dict[int, float]] = None
+    mixture_start: int = 0
+
+    def __call__(self, step: int) -> int:
+        if self.mixture is None or step < self.mixture_start:
+            return self.passes
+        counts = sorted(self.mixture)
+        weights = torch.tensor([float(self.mixture[k]) for k in counts], dtype=torch.float64)
+        u = torch.rand((), generator=_generator(self.seed, step, _SCHEDULE, "cpu"), dtype=torch.float64)
+        index = int(torch.searchsorted(weights.cumsum(0) / weights.sum(), u, right=True).clamp(max=len(counts) - 1))
+        return counts[index]
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "passes": self.passes, "mixture": self.mixture, "mixture_start": self.mixture_start}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,12 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            # megatron's optimizers pick code paths by CUDA type names ('torch.cuda.FloatTensor')
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("megatron.core.optimizer"):
+                name = name.replace("torch.", "torch.cuda.", 1)
+            return name
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
@@ -119,10 +126,58 @@ class _CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+def _fix_torch_adam_distributed_optimizer() -> None:
+    """megatron-core 0.16's DistributedOptimizer on torch's Adam (used when neither Apex nor TE
+    is installed) mishandles Adam's per-parameter ``step`` in checkpoints:
+      * ``state_dict()`` asserts when nothing has been stepped yet (it is called while loading);
+      * loading gives every parameter the *same* step tensor, which Adam then increments once per
+        parameter per step: silently wrong bias correction after a resume;
+      * ``fully_reshardable`` loading copies a ``step`` the checkpoint's tensors do not hold.
+    The wrappers below fix each; with Apex/TE this code path is not taken."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    if do.HAVE_APEX_OR_TE:
+        return
+    cls = do.DistributedOptimizer
+    state_dict, load_state_dict, set_states = cls.state_dict, cls.load_state_dict, cls._set_main_param_and_optimizer_states
+
+    def state_dict_before_first_step(self):
+        if len(self.optimizer.state):
+            return state_dict(self)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params:  # step 0, for the duration of the call
+            self.optimizer.state[p] = {"step": torch.tensor(0.0)}
+        try:
+            return state_dict(self)
+        finally:
+            self.optimizer.state.clear()
+
+    def load_state_dict_own_steps(self, sd):
+        load_state_dict(self, sd)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    def set_states_keep_step(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            current = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            tensors = {**{k: v for k, v in current.items() if k not in tensors and k != "param"}, **tensors}
+        return set_states(self, model_param, tensors)
+
+    cls.state_dict = state_dict_before_first_step
+    cls.load_state_dict = load_state_dict_own_steps
+    cls._set_main_param_and_optimizer_states = set_states_keep_step
+
+
 def install() -> None:
-    """Make megatron-core usable on this process's device. Idempotent; a no-op on GPU."""
+    """Make megatron-core usable on this process's device. Idempotent; on GPU only the
+    optimizer-checkpoint fixes apply (and only without Apex/TE)."""
     global _installed
-    if _installed or on_gpu():
+    if _installed:
+        return
+    _fix_torch_adam_distributed_optimizer()
+    if on_gpu():
         _installed = True
         return
     from megatron.core.tensor_parallel import random as mp_random

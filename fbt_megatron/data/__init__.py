@@ -1,0 +1,9 @@
+"""The data pipeline: tokenizers, text → Megatron ``.bin/.idx``, corpus folders, GPT datasets.
+
+documents   reading text files, folders and JSONL into documents (the one reader)
+tokenizer   sentencepiece / HF tokenizer.json / tiktoken files in megatron-core's tokenizer interface
+tokenizer_training   a sentencepiece BPE (byte fallback, exact whitespace) trained on documents
+preprocess  documents → megatron-core IndexedDataset files, each document followed by EOD
+corpus      one folder with train/valid splits, tokenizer and manifest, prepared offline
+datasets    GPT train/valid/test datasets through megatron-core's BlendedMegatronDatasetBuilder
+"""

@@ -1,0 +1,91 @@
+"""Recipes: typed YAML, Megatron-style overrides, one clear error per bad input; the pass schedule."""
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from fbt_megatron.fbt import PassSchedule
+from fbt_megatron.recipe import RecipeError, add_override_flags, apply_overrides, load_recipe
+
+RECIPES = Path(__file__).parent.parent / "recipes"
+
+
+def parse(recipe, *flags):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe")
+    add_override_flags(parser)
+    args = parser.parse_args(["--recipe", str(recipe), *flags])
+    return apply_overrides(load_recipe(args.recipe), args)
+
+
+def write(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_recipes_load_and_differ_only_in_feedback():
+    fbt, base = load_recipe(str(RECIPES / "tiny_cpu.yaml")), load_recipe(str(RECIPES / "tiny_cpu_baseline.yaml"))
+    fbt.validate(), base.validate()
+    assert fbt.model_overrides["latent_feedback"] and not base.model_overrides["latent_feedback"]
+    assert fbt.data == base.data and fbt.optimizer == base.optimizer
+    assert fbt.training.train_iters == base.training.train_iters and fbt.training.seed == base.training.seed
+
+
+def test_megatron_flag_overrides_are_typed(tmp_path):
+    r = parse(RECIPES / "tiny_cpu.yaml", "--tensor-model-parallel-size", "2", "--lr", "1e-3", "--train-iters", "7",
+              "--save", str(tmp_path), "--num-layers", "2", "--feedback-jitter", "0", "--use-distributed-optimizer", "false")
+    assert r.parallel.tensor_model_parallel_size == 2 and r.optimizer.lr == 1e-3 and r.training.train_iters == 7
+    assert r.checkpoint.save == str(tmp_path) and r.model_overrides["num_layers"] == 2
+    assert r.model_overrides["feedback_jitter"] == 0.0 and r.parallel.use_distributed_optimizer is False
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("training:\n  train_iter: 5\n", "unknown key training.train_iter"),
+        ("training:\n  train_iters: many\n", "training.train_iters must be an integer"),
+        ("training:\n  train_iters: 0\n", "training.train_iters must be >= 1"),
+        ("model:\n  hidden_sise: 5\n", "unknown key model.hidden_sise"),
+        ("model:\n  latent_feedback: 3\n", "model.latent_feedback must be true or false"),
+        ("optimizer:\n  lr_decay_style: sawtooth\n", "optimizer.lr_decay_style must be one of"),
+        ("trainig: {}\n", "unknown recipe section 'trainig'"),
+        ("passes:\n  pass_mixture: {0: 1.0}\n", "passes.pass_mixture must map pass counts >= 1"),
+        ("training:\n  micro_batch_size: 3\n  global_batch_size: 16\n", "not a multiple of micro_batch_size 3"),
+        ("data:\n  data_path: null\n  train_data_path: [x]\n", "data.train_data_path needs data.tokenizer_model"),
+        ("data:\n  data_path: null\n", "data: set data_path"),
+        ("[unclosed\n", "is not valid YAML"),
+    ],
+)
+def test_bad_recipes_name_the_problem(tmp_path, text, message):
+    with pytest.raises(RecipeError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_recipe(str(write(tmp_path, text))).validate()
+
+
+def test_parallel_sizes_must_divide_the_world():
+    r = load_recipe(str(RECIPES / "tiny_cpu.yaml"))
+    r.parallel.tensor_model_parallel_size = 2
+    with pytest.raises(RecipeError, match="does not divide the world size 3"):
+        r.validate(world_size=3)
+    r.validate(world_size=4)
+
+
+def test_bad_flag_value_is_refused():
+    with pytest.raises(RecipeError, match="--micro-batch-size must be an integer"):
+        parse(RECIPES / "tiny_cpu.yaml", "--micro-batch-size", "eight")
+
+
+def test_pass_schedule_is_a_pure_function_of_seed_and_step():
+    mixture = {1: 0.75, 2: 0.22, 3: 0.03}
+    schedule = PassSchedule(seed=7, passes=1, mixture=mixture, mixture_start=100)
+    assert all(schedule(s) == 1 for s in range(100))
+    ks = [schedule(s) for s in range(100, 20100)]
+    assert ks == [PassSchedule(seed=7, passes=1, mixture=mixture, mixture_start=100)(s) for s in range(100, 20100)]
+    freq = Counter(ks)
+    for k, w in mixture.items():
+        assert abs(freq[k] / len(ks) - w) < 0.015, freq
+    other = [PassSchedule(seed=8, passes=1, mixture=mixture, mixture_start=100)(s) for s in range(100, 20100)]
+    assert other != ks
+    assert {PassSchedule(seed=1, passes=3)(s) for s in range(50)} == {3}

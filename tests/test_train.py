@@ -1,0 +1,95 @@
+"""The training entry point as users run it (``python -m fbt_megatron.train``, real processes):
+exact resume, and one clear error line for each kind of bad input."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fbt_megatron.metrics import read_metrics
+
+ROOT = Path(__file__).parent.parent
+TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
+
+
+def train(log: Path, *flags, corpus=None, expect_ok=True):
+    """Run the entry point; output goes to a file (helper processes may outlive a pipe)."""
+    cmd = [sys.executable, "-m", "fbt_megatron.train", "--recipe", TINY, "--threads", "1"]
+    if corpus is not None:
+        cmd += ["--data-path", str(Path(corpus.train_prefix).parent), "--corpus", "null"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    with open(log, "w") as out:
+        run = subprocess.run([*cmd, *flags], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, timeout=600)
+    text = log.read_text()
+    if expect_ok:
+        assert run.returncode == 0, text[-3000:]
+    return run.returncode, text
+
+
+SMALL = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
+         "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1", "--fused-prefill-passes", "2",
+         "--pass-mixture", "{1: 0.4, 2: 0.4, 3: 0.2}", "--pass-mixture-start", "0", "--train-iters", "8"]
+
+
+@pytest.mark.slow
+def test_resumed_run_logs_the_same_losses_bitwise(tmp_path, small_corpus):
+    full, half = tmp_path / "full", tmp_path / "half"
+    train(tmp_path / "full.log", *SMALL, "--save", str(full), corpus=small_corpus)
+    train(tmp_path / "half1.log", *SMALL, "--save", str(half), "--exit-interval", "4", corpus=small_corpus)
+    assert [r["step"] for r in read_metrics(half)] == [1, 2, 3, 4]
+    train(tmp_path / "half2.log", *SMALL, "--save", str(half), "--load", str(half), corpus=small_corpus)
+
+    expected, got = read_metrics(full), read_metrics(half)
+    assert [r["step"] for r in got] == list(range(1, 9))  # appended across the resume
+    ks = [r["k"] for r in expected]
+    assert max(ks[:4]) > 1 and max(ks[4:]) > 1, ks  # multi-pass steps on both sides of the resume
+    keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "valid_loss_fused0", "valid_loss_fused2"]
+    for e, g in zip(expected, got):
+        assert {k: e.get(k) for k in keys} == {k: g.get(k) for k in keys}, (e, g)  # bitwise: == on floats
+    assert got[-1]["tokens"] == 8 * 4 * 64 and got[-1]["compute_tokens"] == sum(ks) * 4 * 64
+    assert sorted(p.name for p in half.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000008"]
+
+
+def tree_hash(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.slow
+def test_bad_inputs_stop_with_one_line_and_damage_nothing(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    train(tmp_path / "ok.log", *SMALL, "--train-iters", "3", "--save", str(run), corpus=small_corpus)
+    before = tree_hash(run)
+    bad_recipe = tmp_path / "bad.yaml"
+    bad_recipe.write_text("training:\n  train_iters: 5\n  dropout: 0.1\n")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "iter_0000002").mkdir()
+    (broken / "iter_0000002" / "common.pt").write_bytes(b"x")
+    (broken / "iter_0000002" / ".metadata").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
+    cases = {
+        "unknown recipe key": (["--recipe", str(bad_recipe)], "unknown key training.dropout"),
+        "wrong type": (["--train-iters", "ten"], "--train-iters must be an integer"),
+        "missing data file": (["--data-path", "null", "--train-data-path", "[/nowhere/x_text_document]",
+                               "--tokenizer-model", small_corpus.tokenizer_path],
+                              "data file not found: /nowhere/x_text_document.bin"),
+        "parallel sizes vs world": (["--tensor-model-parallel-size", "2"], "does not divide the world size 1"),
+        "checkpoint of another model": (["--load", str(run), "--num-layers", "2", "--train-iters", "6"],
+                                        "is of model"),
+        "malicious checkpoint": (["--load", str(broken)], "refusing to load os.system"),
+        "no such run folder": (["--load", str(tmp_path / "nope")], "no such run folder"),
+        "finished run": (["--load", str(run), "--train-iters", "3"], "not before --train-iters 3"),
+    }
+    for name, (flags, message) in cases.items():
+        code, text = train(tmp_path / "bad.log", *SMALL, *flags, corpus=small_corpus, expect_ok=False)
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(errors) == 1 and message in errors[0], (name, text[-2000:])
+        assert "Traceback" not in text, name
+    assert tree_hash(run) == before  # the run folder the bad commands pointed at is untouched
