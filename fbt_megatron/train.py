@@ -219,8 +219,8 @@ def forward_step(num_passes: int, data_iterator, model):
 
 
 def run_schedule(recipe: Recipe, ddp, dataset, first_sample: int, num_passes: int, forward_only: bool):
-    """One global batch through megatron-core's schedule; returns the per-pass losses and
-    state deltas averaged over microbatches and data-parallel ranks."""
+    """One global batch through megatron-core's schedule; returns this rank's per-pass losses
+    and state deltas (tensors) averaged over its microbatches."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -239,9 +239,19 @@ def run_schedule(recipe: Recipe, ddp, dataset, first_sample: int, num_passes: in
     out = {}
     for key in ("pass_losses", "state_deltas"):
         if reports and key in reports[0]:
-            value = torch.stack([r[key] for r in reports]).mean(0)
-            dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-            out[key] = (value / dp_size).tolist()
+            out[key] = torch.stack([r[key] for r in reports]).mean(0)
+    return out
+
+
+def data_parallel_mean(report: dict) -> dict:
+    """A step's report averaged over data-parallel ranks, as floats (one host sync: log steps only)."""
+    from megatron.core import parallel_state
+
+    out = {}
+    for key, value in report.items():
+        value = value.clone()
+        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        out[key] = (value / parallel_state.get_data_parallel_world_size()).tolist()
     return out
 
 
@@ -266,7 +276,7 @@ def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
     with torch.no_grad():
         for i in range(recipe.training.eval_iters):
             first = i * recipe.training.global_batch_size
-            losses.append(run_schedule(recipe, ddp, valid, first, n + 1, forward_only=True)["pass_losses"])
+            losses.append(data_parallel_mean(run_schedule(recipe, ddp, valid, first, n + 1, forward_only=True))["pass_losses"])
     ddp.train()
     mean = torch.tensor(losses).mean(0).tolist()
     return {f"valid_loss_fused{j}": v for j, v in enumerate(mean)}
@@ -346,6 +356,7 @@ def train(recipe: Recipe) -> List[dict]:
         state.compute_tokens += tokens_per_step * k
 
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
+            report = data_parallel_mean(report)
             losses = report["pass_losses"]
             record = {
                 "step": state.iteration,
