@@ -2,7 +2,6 @@
 exact resume, and one clear error line for each kind of bad input."""
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
