@@ -67,7 +67,7 @@ def grads(model):
 def test_three_pass_gradients_match_reference_autograd(detach):
     model = build(sliding_window=8, prefix_mixin_prob=1.0, detach_feedback=detach, pass_weights=(0.5, 0.3, 0.2)).train()
     x = tokens(batch=3, seq=20)
-    inp = x[:, :-1]
+    inp, labels = x[:, :-1], x[:, 1:]
     mask = torch.ones_like(inp)
     mask[1, :4] = 0
     seeds = [11, 12, 13]
