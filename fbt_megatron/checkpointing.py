@@ -92,13 +92,21 @@ def _sharded_rng(rng: torch.Tensor) -> ShardedTensor:
     )
 
 
+def _rng_layout() -> list:
+    return [parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()]
+
+
 def _state(model, optimizer, scheduler, extra: dict, loading: bool) -> dict:
+    """Everything a checkpoint holds; without an optimizer, the weights (a seed checkpoint)."""
     model_state = model.sharded_state_dict()
+    if optimizer is None:
+        return {"model": model_state, "train_state": extra}
     return {
         "model": model_state,
         "optimizer": optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=OPTIMIZER_METADATA),
         "scheduler": scheduler.state_dict(),
         "rng_state": _sharded_rng(_rng_state()),
+        "rng_layout": _rng_layout(),
         "train_state": extra,
     }
 
@@ -106,7 +114,8 @@ def _state(model, optimizer, scheduler, extra: dict, loading: bool) -> dict:
 # ---------------------------------------------------------------- save
 def save(folder, iteration: int, model, optimizer, scheduler, extra: dict) -> Path:
     """Write checkpoint ``iteration`` of ``model`` (the unwrapped module) and the training state
-    ``extra`` (plain data) atomically; returns its folder."""
+    ``extra`` (plain data) atomically; returns its folder. ``optimizer=None`` writes the weights
+    only (a seed checkpoint)."""
     folder = Path(folder)
     final = checkpoint_dir(folder, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -190,29 +199,41 @@ def _latest(folder) -> Path:
     return path
 
 
-def read_train_state(folder) -> dict:
-    """The training state saved with the newest checkpoint of a run folder (weights not read)."""
-    path = _latest(folder)
+def _common(path: Path) -> dict:
     try:
         with _weights_only_loading():
-            return dist_checkpointing.load_common_state_dict(str(path))["train_state"]
+            return dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:
         raise CheckpointError(f"{path}/common.pt is unreadable: {str(e).splitlines()[0]}") from None
 
 
+def read_train_state(folder) -> dict:
+    """The training state saved with the newest checkpoint of a run folder (weights not read)."""
+    return _common(_latest(folder))["train_state"]
+
+
 def load(folder, model, optimizer, scheduler) -> None:
     """Load the newest checkpoint of a run folder into model, optimizer and scheduler and
-    restore this rank's RNG streams."""
+    restore this rank's RNG streams; from a seed checkpoint, the weights only."""
     path = _latest(folder)
+    common = _common(path)
+    if "scheduler" not in common:  # a seed checkpoint: weights only
+        optimizer = scheduler = None
     state = _state(model, optimizer, scheduler, {}, loading=True)
     del state["train_state"]  # read from the common state, whatever its keys
+    same_layout = common.get("rng_layout") == _rng_layout()
+    if optimizer is not None and not same_layout:  # RNG streams are per (PP, TP) rank: resharded runs start them afresh
+        del state["rng_state"], state["rng_layout"]
     try:
         with torch.no_grad(), _weights_only_loading():  # no grad: the optimizer copies into views of parameters
             loaded = dist_checkpointing.load(state, str(path))
     except Exception as e:  # shapes or keys that do not fit this model
         raise CheckpointError(f"{path} does not fit this model/optimizer: {str(e).splitlines()[0]}") from None
     model.load_state_dict(loaded["model"])
+    if optimizer is None:
+        return
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
-    _set_rng_state(loaded["rng_state"].flatten())
+    if same_layout:
+        _set_rng_state(loaded["rng_state"].flatten())

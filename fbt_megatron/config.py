@@ -129,6 +129,7 @@ def make_config(preset: str, **overrides) -> FBTConfig:
         raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
     fields = {**_COMMON, **PRESETS[preset], **overrides}
     fields.setdefault("params_dtype", torch.float32)
+    fields.setdefault("pipeline_dtype", fields["params_dtype"])  # what stages send each other
     # CPU: initialise full weights then split them, so every parallel layout starts identical
     fields.setdefault("use_cpu_initialization", not platform.on_gpu())
     return FBTConfig(**fields)

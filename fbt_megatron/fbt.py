@@ -20,14 +20,17 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from fbt_megatron.parallel.sequence import WHOLE_SEQUENCE, SequenceLayout, sequence_layout
+
 
 @dataclass
 class Feedback:
-    """What a fused pass receives from the previous one."""
+    """What a fused pass receives from the previous one (rows as this rank holds them)."""
 
     state: torch.Tensor  # s^{(j−1)} [s, b, h], not yet shifted
     fuse_mask: torch.Tensor  # [s, b] bool: True where u_t replaces e_t (t ≥ 2 and t > p)
     jitter: Optional[torch.Tensor] = None  # ε [s, b, h] on the carried state, or None
+    layout: SequenceLayout = WHOLE_SEQUENCE  # which positions the rows are (SP/CP shards)
 
 
 @dataclass
@@ -50,16 +53,16 @@ class LatentFeedbackFusion(MegatronModule):
             setattr(weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, embeddings: torch.Tensor, feedback: Feedback) -> torch.Tensor:
-        carried = right_shift(feedback.state)  # s_{t−1} at position t
+        carried = feedback.layout.shift(feedback.state)  # s_{t−1} at position t
         if feedback.jitter is not None:
             carried = carried + feedback.jitter  # s_{t−1} + ε
         fused = self.norm(self.linear_state(carried) * torch.sigmoid(self.linear_gate(embeddings)))  # eq. F4
         return torch.where(feedback.fuse_mask.unsqueeze(-1), fused, embeddings)
 
-
-def right_shift(state: torch.Tensor) -> torch.Tensor:
-    """[s, b, h] → the same with position t holding position t−1 (zeros at t = 1, never fused)."""
-    return torch.cat([torch.zeros_like(state[:1]), state[:-1]], dim=0)
+    def keep_in_graph(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Pass 1 does not use the fusion; adding 0·ΣW gives its weights a (zero) gradient in
+        every step, as overlapped gradient reduction needs every parameter to report one."""
+        return embeddings + 0.0 * sum(p.sum() for p in self.parameters())
 
 
 # ---------------------------------------------------------------- per-sequence random draws
@@ -103,14 +106,20 @@ def jitter(config, sequence_seeds: List[int], pass_index: int, shape, device, dt
     return (config.feedback_jitter * torch.stack(noise, dim=1)).to(dtype)
 
 
-def make_feedback(config, state: torch.Tensor, sequence_seeds: List[int], pass_index: int, training: bool) -> Feedback:
-    """Feedback for pass `pass_index` (≥ 2) from the previous pass's top states."""
-    seq_len = state.shape[0]
-    prefix = prefix_lengths(config, sequence_seeds, pass_index, seq_len) if training else torch.zeros(len(sequence_seeds), dtype=torch.long)
+def make_feedback(
+    config, state: torch.Tensor, sequence_seeds: List[int], pass_index: int, training: bool,
+    layout: SequenceLayout = WHOLE_SEQUENCE,
+) -> Feedback:
+    """Feedback for pass `pass_index` (≥ 2) from the previous pass's top states. The draws are
+    made over whole sequences, then cut to the rows this rank holds (``layout``)."""
+    seq_len = layout.seq_length or state.shape[0]
+    batch = len(sequence_seeds)
+    prefix = prefix_lengths(config, sequence_seeds, pass_index, seq_len) if training else torch.zeros(batch, dtype=torch.long)
     eps = None
     if training and config.feedback_jitter > 0:
-        eps = jitter(config, sequence_seeds, pass_index, state.shape, state.device, state.dtype)
-    return Feedback(state=state, fuse_mask=fuse_mask(prefix, seq_len, state.device), jitter=eps)
+        shape = (seq_len, batch, state.shape[-1])
+        eps = layout.local(jitter(config, sequence_seeds, pass_index, shape, state.device, state.dtype))
+    return Feedback(state, layout.local(fuse_mask(prefix, seq_len, state.device)), eps, layout)
 
 
 # ---------------------------------------------------------------- the multi-pass step
@@ -135,6 +144,39 @@ def masked_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tens
     return (token_loss * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
 
+def default_feedback(model, tokens: torch.Tensor, sequence_seeds: List[int]) -> Callable[[torch.Tensor, int], Feedback]:
+    """The production draws for a microbatch: prefix mixin and jitter from the sequence seeds,
+    cut to this rank's rows of the sequence (SP/CP)."""
+    config = model.config
+    layout = sequence_layout(config, tokens.shape[1] * config.context_parallel_size)
+    return lambda state, j: make_feedback(config, state, sequence_seeds, j, model.training, layout)
+
+
+def run_pass(model, tokens, labels, pass_index: int, received: Optional[torch.Tensor], feedback_fn):
+    """Pass j of one microbatch on this pipeline stage → ``FBTModel.forward``'s (output, top state).
+
+    ``received`` is what the stage gets from upstream: on the first stage the previous pass's top
+    states s^{(j−1)} (None in pass 1), fused with the embeddings by eq. F4; on later stages the
+    previous stage's hidden states. With ``recompute_passes`` only these inputs (and e_t) are kept
+    and the pass is recomputed in backward."""
+    embeddings = model.embed(tokens) if model.pre_process else None  # e_t
+
+    def forward(embeddings, labels, received):
+        if not model.pre_process:
+            return model(tokens, labels=labels, hidden_states=received)
+        feedback = None if received is None else feedback_fn(received, pass_index)
+        return model(tokens, labels=labels, feedback=feedback, embeddings=embeddings)
+
+    if model.config.recompute_passes:
+        return tensor_parallel.checkpoint(forward, False, embeddings, labels, received)
+    return forward(embeddings, labels, received)
+
+
+def state_delta(top: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """RMS over this rank's tokens of s^{(j)} − s^{(j−1)} (a detached diagnostic)."""
+    return (top.detach() - previous.detach()).float().pow(2).mean().sqrt()
+
+
 def multi_pass_loss(
     model,
     tokens: torch.Tensor,
@@ -144,36 +186,24 @@ def multi_pass_loss(
     sequence_seeds: List[int],
     feedback_fn: Optional[Callable[[torch.Tensor, int], Feedback]] = None,
 ) -> MultiPassOutput:
-    """k passes of teacher-forced training on one microbatch ([b, s] tokens/labels/mask).
+    """k passes of teacher-forced training on one microbatch ([b, s] tokens/labels/mask), the
+    whole model on this rank (no pipeline; ``parallel.pipeline`` runs passes across stages).
 
     `sequence_seeds` (one int per sequence) seed its prefix-mixin and jitter draws;
     `feedback_fn(state, j)` may replace those draws (tests pass fixed prefixes/noise)."""
-    config = model.config
     if num_passes < 1:
         raise ValueError(f"num_passes must be >= 1, got {num_passes}")
-    if feedback_fn is None:
-        feedback_fn = lambda state, j: make_feedback(config, state, sequence_seeds, j, model.training)
-    weights = pass_weights(config, num_passes)
-    embeddings = model.embed(tokens)  # e_t, shared by every pass
-
-    def run_pass(e, state, mask, eps):
-        feedback = None if state is None else Feedback(state, mask, eps)
-        return model(tokens, labels=labels, embeddings=e, feedback=feedback)
-
+    feedback_fn = feedback_fn or default_feedback(model, tokens, sequence_seeds)
+    weights = pass_weights(model.config, num_passes)
     total, losses, deltas, prev = 0.0, [], [], None
     for j in range(1, num_passes + 1):
-        fb = None if prev is None else feedback_fn(prev, j)
-        args = (embeddings, prev, None, None) if fb is None else (embeddings, fb.state, fb.fuse_mask, fb.jitter)
-        if config.recompute_passes:  # keep only the pass's inputs; recompute it in backward
-            token_loss, top = tensor_parallel.checkpoint(run_pass, False, *args)
-        else:
-            token_loss, top = run_pass(*args)
+        token_loss, top = run_pass(model, tokens, labels, j, prev, feedback_fn)
         loss_j = masked_mean(token_loss, loss_mask)
         total = total + weights[j - 1] * loss_j
         losses.append(loss_j.detach())
         if prev is not None:
-            deltas.append((top.detach() - prev.detach()).float().pow(2).mean().sqrt())
-        prev = top.detach() if config.detach_feedback else top
+            deltas.append(state_delta(top, prev))
+        prev = top.detach() if model.config.detach_feedback else top
     return MultiPassOutput(loss=total, pass_losses=losses, state_deltas=deltas, top_state=prev)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import torch
+
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -129,9 +131,15 @@ class FBTModel(GPTModel):
             self.final_layernorm = build_module(
                 spec.final_layernorm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
             )
+        self.received = None  # see set_input_tensor
         self.feedback_fusion = None
         if pre_process and spec.feedback_fusion is not None:
             self.feedback_fusion = build_module(spec.feedback_fusion, config=config)
+
+    def set_input_tensor(self, input_tensor):
+        """What the pipeline schedule received for this stage: kept for ``fbt.run_pass``, which
+        hands it to ``forward`` (as feedback on the first stage, hidden states elsewhere)."""
+        self.received = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
     def embed(self, input_ids, position_ids=None):
         """e_t = E[x_t] as [s, b, h] (scattered along the sequence under SP)."""
@@ -143,13 +151,15 @@ class FBTModel(GPTModel):
         position_ids=None,
         attention_mask=None,
         labels=None,
-        embeddings=None,
         feedback: Optional[Feedback] = None,
+        hidden_states=None,
+        embeddings=None,
     ):
         """One pass. Returns ``(output, top_state)``: output is the per-token loss [b, s] when
         labels are given, else logits [b, s, V/tp]; top_state is s [s, b, h], the state fed back
         to the next pass. On a non-final pipeline stage: (hidden states, None).
-        ``embeddings`` (e_t, from ``embed``) may be passed in to share them across passes."""
+        A first stage embeds ``input_ids`` (or takes ``embeddings`` from ``embed``) and fuses
+        ``feedback`` in; a later stage starts from ``hidden_states``, the previous stage's output."""
         decoder_input = None
         if self.pre_process:
             decoder_input = self.embed(input_ids, position_ids) if embeddings is None else embeddings
@@ -157,6 +167,10 @@ class FBTModel(GPTModel):
                 if self.feedback_fusion is None:
                     raise ValueError("this model was built without latent feedback (latent_feedback=False)")
                 decoder_input = self.feedback_fusion(decoder_input, feedback)  # u_t where fused
+            elif self.feedback_fusion is not None and torch.is_grad_enabled():
+                decoder_input = self.feedback_fusion.keep_in_graph(decoder_input)
+        else:
+            self.decoder.set_input_tensor(hidden_states)
         decoder_input, rotary_pos_emb, *_ = self._preprocess(
             input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input
         )

@@ -101,6 +101,8 @@ class OptimizerSection:
 class ParallelSection:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    """Shard activations along the sequence across TP ranks (needs TP > 1)."""
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
 
@@ -113,6 +115,10 @@ class CheckpointSection:
     """Run folder to resume from (its latest checkpoint)."""
     save_interval: Optional[int] = None
     tensorboard: bool = True
+    create_seed_checkpoint: bool = False
+    """Save the freshly initialised model as iteration 0 in --save and exit (one process). Runs at
+    any parallel layout that --load it start from the same weights (initialisation itself
+    depends on the pipeline layout, as in Megatron-LM)."""
 
 
 SECTIONS = {
@@ -159,6 +165,8 @@ class Recipe:
                 raise RecipeError(f"{key} must be >= 1, got {value}")
         if t.eval_iters < 0 or t.fused_prefill_passes < 0:
             raise RecipeError("training.eval_iters and training.fused_prefill_passes must be >= 0")
+        if self.checkpoint.create_seed_checkpoint and (world_size != 1 or self.checkpoint.save is None):
+            raise RecipeError("checkpoint.create_seed_checkpoint needs one process and --save")
         if self.checkpoint.save_interval is not None and self.checkpoint.save_interval < 1:
             raise RecipeError(f"checkpoint.save_interval must be >= 1, got {self.checkpoint.save_interval}")
         model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
@@ -173,6 +181,16 @@ class Recipe:
                 f"training.global_batch_size {t.global_batch_size} is not a multiple of "
                 f"micro_batch_size {t.micro_batch_size} x data-parallel size {dp}"
             )
+        micro = t.global_batch_size // (t.micro_batch_size * dp)
+        if p.pipeline_model_parallel_size > 1 and micro % p.pipeline_model_parallel_size:
+            raise RecipeError(
+                f"{micro} microbatches per step (global batch / (micro batch x DP)) must be a multiple of "
+                f"pipeline_model_parallel_size {p.pipeline_model_parallel_size}"
+            )
+        if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+            raise RecipeError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
+        if p.sequence_parallel and self.data.seq_length % p.tensor_model_parallel_size:
+            raise RecipeError(f"data.seq_length {self.data.seq_length} is not divisible by TP {p.tensor_model_parallel_size} (sequence parallel)")
         if o.bf16 and o.fp16:
             raise RecipeError("optimizer.bf16 and optimizer.fp16 are exclusive")
         if not 0 <= o.lr_wsd_decay_fraction <= 1:

@@ -14,7 +14,6 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import List, Optional
 
@@ -30,10 +29,10 @@ from fbt_megatron.recipe import Recipe, RecipeError, add_override_flags, apply_o
 
 # ---------------------------------------------------------------- building blocks
 def build_model(recipe: Recipe, vocab_size: int):
-    """FBTModel wrapped in megatron-core DDP (gradient buffers, reduction over data-parallel ranks)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
-
+    """This pipeline stage's FBTModel in megatron-core DDP (gradient buffers, reduction over
+    data-parallel ranks)."""
+    from fbt_megatron.parallel import data as parallel_data
+    from fbt_megatron.parallel import pipeline
     from fbt_megatron.config import make_config
     from fbt_megatron.model import FBTModel
 
@@ -47,24 +46,14 @@ def build_model(recipe: Recipe, vocab_size: int):
             "seq_length": recipe.data.seq_length,
             "tensor_model_parallel_size": p.tensor_model_parallel_size,
             "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+            "sequence_parallel": p.sequence_parallel,
             "bf16": o.bf16,
             "fp16": o.fp16,
             "params_dtype": dtype,
         },
     )
-    model = FBTModel(config).to(dtype)
-    ddp = DistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=p.overlap_grad_reduce,
-            use_distributed_optimizer=p.use_distributed_optimizer,
-        ),
-        module=model,
-    )
-    ddp.broadcast_params()
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
+    model = FBTModel(config, **pipeline.stage()).to(dtype)
+    ddp = parallel_data.wrap(config, model, p.overlap_grad_reduce, p.use_distributed_optimizer)
     return config, model, ddp
 
 
@@ -189,51 +178,31 @@ def microbatches(dataset, first_sample: int, recipe: Recipe, dp_rank: int, dp_si
     for m in range(per_rank // t.micro_batch_size):
         ids = range(start + m * t.micro_batch_size, start + (m + 1) * t.micro_batch_size)
         items = [dataset[i] for i in ids]
-        batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in ("tokens", "labels", "loss_mask")}
+        batch = {
+            key: torch.stack([torch.as_tensor(item[key]) for item in items]).to(platform.device())
+            for key in ("tokens", "labels", "loss_mask")
+        }
         batch["seeds"] = [sequence_seed(t.seed, i) for i in ids]
         yield batch
 
 
-def forward_step(num_passes: int, data_iterator, model):
-    """megatron-core's forward_step_func: k passes over one microbatch."""
-    batch = next(data_iterator)
-    module = model.module if hasattr(model, "module") else model
-    device = platform.device()
-    out = multi_pass_loss(
-        module,
-        batch["tokens"].to(device),
-        batch["labels"].to(device),
-        batch["loss_mask"].to(device),
-        num_passes,
-        batch["seeds"],
-    )
-
-    def loss_func(loss):
-        report = {"pass_losses": torch.stack(out.pass_losses).float()}
-        if out.state_deltas:
-            report["state_deltas"] = torch.stack(out.state_deltas).float()
-        return loss, report
-
-    return out.loss, loss_func
-
-
-def run_schedule(recipe: Recipe, ddp, dataset, first_sample: int, num_passes: int, forward_only: bool):
-    """One global batch through megatron-core's schedule; returns this rank's per-pass losses
-    and state deltas (tensors) averaged over its microbatches."""
+def run_schedule(recipe: Recipe, ddp, dataset, first_sample: int, num_passes: int, forward_only: bool, measure_deltas: bool = True):
+    """One global batch through the pass-aware schedule (``parallel.pipeline``); returns this
+    rank's per-pass losses and state deltas (tensors) averaged over its microbatches."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from fbt_megatron.parallel import pipeline
 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     t = recipe.training
-    num_micro = t.global_batch_size // (t.micro_batch_size * dp_size)
-    reports = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, num_passes),
-        data_iterator=microbatches(dataset, first_sample, recipe, dp_rank, dp_size),
-        model=[ddp],
-        num_microbatches=num_micro,
+    reports = pipeline.forward_backward(
+        ddp,
+        list(microbatches(dataset, first_sample, recipe, dp_rank, dp_size)),
+        num_passes,
         seq_length=recipe.data.seq_length,
         micro_batch_size=t.micro_batch_size,
         forward_only=forward_only,
+        measure_deltas=measure_deltas,
     )
     out = {}
     for key in ("pass_losses", "state_deltas"):
@@ -243,14 +212,17 @@ def run_schedule(recipe: Recipe, ddp, dataset, first_sample: int, num_passes: in
 
 
 def data_parallel_mean(report: dict) -> dict:
-    """A step's report averaged over data-parallel ranks, as floats (one host sync: log steps only)."""
+    """A step's report averaged over data-parallel ranks (and over the TP ranks, which hold
+    shards of the sequence under SP), as floats (one host sync: log steps only)."""
     from megatron.core import parallel_state
 
     out = {}
     for key, value in report.items():
         value = value.clone()
-        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-        out[key] = (value / parallel_state.get_data_parallel_world_size()).tolist()
+        for group in (parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()):
+            dist.all_reduce(value, group=group)
+            value /= dist.get_world_size(group)
+        out[key] = value.tolist()
     return out
 
 
@@ -275,8 +247,12 @@ def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
     with torch.no_grad():
         for i in range(recipe.training.eval_iters):
             first = i * recipe.training.global_batch_size
-            losses.append(data_parallel_mean(run_schedule(recipe, ddp, valid, first, n + 1, forward_only=True))["pass_losses"])
+            report = run_schedule(recipe, ddp, valid, first, n + 1, forward_only=True)
+            if report:  # the last pipeline stage
+                losses.append(data_parallel_mean(report)["pass_losses"])
     ddp.train()
+    if not losses:
+        return {}
     mean = torch.tensor(losses).mean(0).tolist()
     return {f"valid_loss_fused{j}": v for j, v in enumerate(mean)}
 
@@ -326,6 +302,9 @@ def train(recipe: Recipe) -> List[dict]:
     if saved is not None:
         checkpointing.load(c.load, model, optimizer, scheduler)
         state = TrainState(**{**saved, "pass_schedule": state.pass_schedule})
+    if c.create_seed_checkpoint:
+        print(f"seed checkpoint: {checkpointing.save(c.save, state.iteration, model, None, None, vars(state))}", flush=True)
+        return []
 
     is_logger = rank == dist.get_world_size() - 1  # last pipeline stage: it has the losses
     logger = MetricsLogger(c.save if is_logger else None, tensorboard=c.tensorboard, resume_from=state.iteration)
@@ -342,9 +321,10 @@ def train(recipe: Recipe) -> List[dict]:
     while state.iteration < t.train_iters:
         k = schedule(state.iteration)
         start = time.perf_counter()
-        ddp.zero_grad_buffer()
+        log_step = (state.iteration + 1) % t.log_interval == 0 or state.iteration + 1 == t.train_iters
+        ddp.start_step(k)
         optimizer.zero_grad()
-        report = run_schedule(recipe, ddp, data.train, state.consumed_samples, k, forward_only=False)
+        report = run_schedule(recipe, ddp, data.train, state.consumed_samples, k, forward_only=False, measure_deltas=log_step)
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         window_time += time.perf_counter() - start
@@ -354,7 +334,10 @@ def train(recipe: Recipe) -> List[dict]:
         state.tokens += tokens_per_step
         state.compute_tokens += tokens_per_step * k
 
-        if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
+        if log_step and not report:  # not the last pipeline stage: no losses here
+            if t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters):
+                evaluate(recipe, config, ddp, data.valid)
+        elif log_step:
             report = data_parallel_mean(report)
             losses = report["pass_losses"]
             record = {

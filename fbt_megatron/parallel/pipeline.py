@@ -1,0 +1,137 @@
+"""The pass-aware forward-backward step: k passes of every microbatch on megatron-core schedules.
+
+PP = 1 — megatron-core's no-pipelining schedule; a microbatch's forward step runs its k passes
+(``fbt.multi_pass_loss``) and returns their weighted loss.
+
+PP > 1 — the k passes are k *virtual pipeline chunks* of one stage (the same module object k
+times) in megatron-core's interleaved 1F1B schedule. Its ring wraps from the last rank's chunk j
+to the first rank's chunk j+1, which is the route of the carried state: pass j's top states
+s^{(j)} leave the last stage and enter pass j+1's fusion on the first stage, and in backward
+their gradient travels the same way back. Pass j < k's loss is computed on the last stage and
+rides on the state it sends (``_AttachLoss``: identity forward, and its backward also starts that
+loss's gradient); pass k's loss goes through the schedule's loss function. Microbatches stay
+pipelined across stages and passes; k may change every step (the chunk count is set per call).
+For k = 1 this is megatron-core's plain 1F1B schedule.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules
+
+from fbt_megatron.fbt import default_feedback, masked_mean, multi_pass_loss, pass_weights, run_pass, state_delta
+
+
+def stage() -> dict:
+    """This rank's pipeline stage as FBTModel arguments: does it embed, does it compute losses."""
+    return dict(
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+    )
+
+
+class _AttachLoss(torch.autograd.Function):
+    """state ↦ a copy of state; backward: the state's gradient, and ``scale`` as the gradient of
+    ``loss`` (a non-final pass's loss joins the backward of the state it was computed beside)."""
+
+    @staticmethod
+    def forward(ctx, state, loss, scale):
+        ctx.save_for_backward(scale)
+        ctx.loss_shape = loss.shape
+        return state.clone()  # a new tensor: the schedule may scale its outputs in place
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scale,) = ctx.saved_tensors
+        return grad, scale.reshape(ctx.loss_shape), None
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def _microbatch_report(losses: List[torch.Tensor], deltas: List[torch.Tensor]) -> dict:
+    report = {"pass_losses": torch.stack(losses).float()}
+    if deltas:
+        report["state_deltas"] = torch.stack(deltas).float()
+    return report
+
+
+def _whole_model_step(num_passes: int, measure_deltas: bool, data_iterator, model):
+    """PP = 1: all k passes of one microbatch."""
+    _, _, batch = next(data_iterator)
+    out = multi_pass_loss(_unwrap(model), batch["tokens"], batch["labels"], batch["loss_mask"], num_passes, batch["seeds"])
+    report = _microbatch_report(out.pass_losses, out.state_deltas if measure_deltas else [])
+    return out.loss, lambda loss: (loss, report)
+
+
+class _PassChunkStep:
+    """PP > 1: the forward step of virtual chunk j − 1 = pass j on this stage."""
+
+    def __init__(self, config, num_passes: int, num_microbatches: int, measure_deltas: bool):
+        self.config, self.k, self.m, self.measure_deltas = config, num_passes, num_microbatches, measure_deltas
+        self.weights = pass_weights(config, num_passes)
+        self.passes = {}  # microbatch → (losses, deltas, last top state) on the last stage
+
+    def loss_gradient_scale(self, j: int, device) -> torch.Tensor:
+        """∂(step loss)/∂L_j as the schedule would apply it: w_j · cp / M, times the loss scale."""
+        one = torch.ones(1, device=device)
+        scale = self.config.grad_scale_func(one) if self.config.grad_scale_func is not None else one
+        return scale * (self.weights[j - 1] * self.config.context_parallel_size / self.m)
+
+    def __call__(self, data_iterator, model):
+        j, m, batch = next(data_iterator)
+        module = _unwrap(model)
+        labels = batch["labels"] if module.post_process else None
+        feedback_fn = default_feedback(module, batch["tokens"], batch["seeds"])
+        out, top = run_pass(module, batch["tokens"], labels, j, module.received, feedback_fn)
+        if not module.post_process:
+            return out, None  # hidden states, sent to the next stage
+        loss = masked_mean(out, batch["loss_mask"])
+        losses, deltas, previous = self.passes.get(m, ([], [], None))
+        losses.append(loss.detach())
+        if self.measure_deltas and previous is not None:
+            deltas.append(state_delta(top, previous))
+        self.passes[m] = (losses, deltas, top.detach() if self.measure_deltas else None)
+        if j < self.k:  # s^{(j)} travels on to pass j + 1, carrying L_j's gradient
+            return _AttachLoss.apply(top, loss, self.loss_gradient_scale(j, loss.device)), None
+        report = _microbatch_report(*self.passes.pop(m)[:2])
+        return loss, lambda loss: (self.weights[-1] * loss, report)
+
+
+def forward_backward(
+    ddp, batches: List[dict], num_passes: int, seq_length: int, micro_batch_size: int,
+    forward_only: bool = False, measure_deltas: bool = False,
+) -> List[dict]:
+    """One global batch (this rank's microbatches) with k passes each; gradients are left in the
+    DDP buffers. Returns per-microbatch reports (pass losses, state deltas) on the last stage."""
+    config = ddp.config
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tagged = lambda j: iter([(j, m, batch) for m, batch in enumerate(batches)])  # noqa: E731
+    common = dict(
+        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only
+    )
+    if pp == 1:
+        step = lambda it, model: _whole_model_step(num_passes, measure_deltas, it, model)  # noqa: E731
+        return schedules.forward_backward_no_pipelining(forward_step_func=step, data_iterator=tagged(1), model=[ddp], **common)
+    if config.detach_feedback:
+        raise ValueError("detach_feedback (an ablation) is not supported with pipeline parallelism")
+    step = _PassChunkStep(config, num_passes, len(batches), measure_deltas)
+    config.batch_p2p_comm = pp > 2  # batched p2p pairs wrongly on the PP=2 ring (prev = next rank)
+    if num_passes == 1:
+        return schedules.forward_backward_pipelining_without_interleaving(
+            forward_step_func=step, data_iterator=tagged(1), model=[ddp], **common
+        )
+    config.virtual_pipeline_model_parallel_size = num_passes  # the schedule's chunk count: k, this call only
+    try:
+        return schedules.forward_backward_pipelining_with_interleaving(
+            forward_step_func=step,
+            data_iterator=[tagged(j) for j in range(1, num_passes + 1)],
+            model=[ddp] * num_passes,  # one stage, k passes: the same module (and DDP buffers) k times
+            **common,
+        )
+    finally:
+        config.virtual_pipeline_model_parallel_size = None
