@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from fbt_megatron import megatron_fixes
+
 _installed = False
 
 
@@ -126,57 +128,13 @@ class _CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
-def _fix_torch_adam_distributed_optimizer() -> None:
-    """megatron-core 0.16's DistributedOptimizer on torch's Adam (used when neither Apex nor TE
-    is installed) mishandles Adam's per-parameter ``step`` in checkpoints:
-      * ``state_dict()`` asserts when nothing has been stepped yet (it is called while loading);
-      * loading gives every parameter the *same* step tensor, which Adam then increments once per
-        parameter per step: silently wrong bias correction after a resume;
-      * ``fully_reshardable`` loading copies a ``step`` the checkpoint's tensors do not hold.
-    The wrappers below fix each; with Apex/TE this code path is not taken."""
-    from megatron.core.optimizer import distrib_optimizer as do
-
-    if do.HAVE_APEX_OR_TE:
-        return
-    cls = do.DistributedOptimizer
-    state_dict, load_state_dict, set_states = cls.state_dict, cls.load_state_dict, cls._set_main_param_and_optimizer_states
-
-    def state_dict_before_first_step(self):
-        if len(self.optimizer.state):
-            return state_dict(self)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for p in params:  # step 0, for the duration of the call
-            self.optimizer.state[p] = {"step": torch.tensor(0.0)}
-        try:
-            return state_dict(self)
-        finally:
-            self.optimizer.state.clear()
-
-    def load_state_dict_own_steps(self, sd):
-        load_state_dict(self, sd)
-        for state in self.optimizer.state.values():
-            if "step" in state:
-                state["step"] = state["step"].clone()
-
-    def set_states_keep_step(self, model_param, tensors):
-        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            group, order = self.model_param_group_index_map[model_param]
-            current = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
-            tensors = {**{k: v for k, v in current.items() if k not in tensors and k != "param"}, **tensors}
-        return set_states(self, model_param, tensors)
-
-    cls.state_dict = state_dict_before_first_step
-    cls.load_state_dict = load_state_dict_own_steps
-    cls._set_main_param_and_optimizer_states = set_states_keep_step
-
-
 def install() -> None:
     """Make megatron-core usable on this process's device. Idempotent; on GPU only the
     optimizer-checkpoint fixes apply (and only without Apex/TE)."""
     global _installed
     if _installed:
         return
-    _fix_torch_adam_distributed_optimizer()
+    megatron_fixes.apply()  # bugs of megatron-core itself, on any device
     if on_gpu():
         _installed = True
         return
@@ -225,6 +183,7 @@ def init_distributed(
     pipeline_model_parallel_size: int = 1,
     seed_value: int = 1234,
     timeout_s: int = 600,
+    context_parallel_size: int = 1,
 ) -> None:
     """Start torch.distributed (env:// under torchrun, a private one-process group otherwise)
     and megatron-core's parallel state, then seed. The one entry point every process calls."""
@@ -244,6 +203,7 @@ def init_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
     seed(seed_value)
 

@@ -78,13 +78,14 @@ class PassesSection:
 
 @dataclass
 class OptimizerSection:
-    optimizer: Literal["adam"] = "adam"
+    optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = 3e-3
     min_lr: float = 0.0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     lr_warmup_iters: int = 20
     lr_decay_style: Literal["WSD", "cosine", "linear", "constant"] = "WSD"

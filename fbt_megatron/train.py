@@ -52,13 +52,13 @@ def build_model(recipe: Recipe, vocab_size: int):
             "params_dtype": dtype,
         },
     )
-    model = FBTModel(config, **pipeline.stage()).to(dtype)
+    model = FBTModel(config, **pipeline.stage()).to(device=platform.device(), dtype=dtype)
     ddp = parallel_data.wrap(config, model, p.overlap_grad_reduce, p.use_distributed_optimizer)
     return config, model, ddp
 
 
 def build_optimizer(recipe: Recipe, config, ddp):
-    """megatron-core's optimizer (Adam; weight decay off for norms and 1-D parameters) and its
+    """megatron-core's optimizer (Adam or SGD; weight decay off for norms and 1-D parameters) and its
     WSD / cosine learning-rate scheduler."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -73,6 +73,7 @@ def build_optimizer(recipe: Recipe, config, ddp):
             adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2,
             adam_eps=o.adam_eps,
+            sgd_momentum=o.sgd_momentum,
             clip_grad=o.clip_grad,
             bf16=o.bf16,
             fp16=o.fp16,

@@ -1,0 +1,96 @@
+"""Fixes for bugs of megatron-core 0.16 that this project hits, on CPU and GPU alike. Each is
+applied once per process by ``apply()`` (called from ``platform.install()``), names the bug, and
+is checked by a test that fails without it (resume and cross-layout checkpoint tests)."""
+
+from __future__ import annotations
+
+import torch
+
+_applied = False
+
+
+def apply() -> None:
+    global _applied
+    if not _applied:
+        _torch_adam_steps()
+        _fully_reshardable_bucket_padding()
+        _applied = True
+
+
+def _torch_adam_steps() -> None:
+    """megatron-core 0.16's DistributedOptimizer on torch's Adam (used when neither Apex nor TE
+    is installed) mishandles Adam's per-parameter ``step`` in checkpoints:
+      * ``state_dict()`` asserts when nothing has been stepped yet (it is called while loading);
+      * loading gives every parameter the *same* step tensor, which Adam then increments once per
+        parameter per step: silently wrong bias correction after a resume;
+      * ``fully_reshardable`` loading copies a ``step`` the checkpoint's tensors do not hold.
+    The wrappers below fix each; with Apex/TE this code path is not taken."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    if do.HAVE_APEX_OR_TE:
+        return
+    cls = do.DistributedOptimizer
+    state_dict, load_state_dict, set_states = cls.state_dict, cls.load_state_dict, cls._set_main_param_and_optimizer_states
+
+    def state_dict_before_first_step(self):
+        if len(self.optimizer.state):
+            return state_dict(self)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params:  # step 0, for the duration of the call
+            self.optimizer.state[p] = {"step": torch.tensor(0.0)}
+        try:
+            return state_dict(self)
+        finally:
+            self.optimizer.state.clear()
+
+    def load_state_dict_own_steps(self, sd):
+        load_state_dict(self, sd)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    def set_states_keep_step(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            current = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            tensors = {**{k: v for k, v in current.items() if k not in tensors and k != "param"}, **tensors}
+        return set_states(self, model_param, tensors)
+
+    cls.state_dict = state_dict_before_first_step
+    cls.load_state_dict = load_state_dict_own_steps
+    cls._set_main_param_and_optimizer_states = set_states_keep_step
+
+
+def _fully_reshardable_bucket_padding() -> None:
+    """``fully_reshardable`` distributed-optimizer checkpoints gather each buffer's optimizer state
+    into a "world" tensor from which the padding at the end of every bucket is removed, then cut
+    it with parameter offsets that still count that padding. With more than one bucket in a buffer
+    (the tied output layer's own bucket on the last pipeline stage; many buckets at scale) the
+    parameters after the first bucket are saved with other parameters' state — silently. The
+    wrapper hands that method offsets without the padding."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    cls = do.DistributedOptimizer
+    sharded_param_state = cls.sharded_param_state_fully_reshardable
+
+    def unpadded_offsets(buffer) -> dict:
+        bucket_start, total = [], 0
+        for bucket in buffer.buckets:  # where each bucket begins in the world tensor
+            bucket_start.append(total)
+            total += bucket.numel_unpadded
+        return {
+            param: (start - buffer.buckets[b].offset + bucket_start[b], end - buffer.buckets[b].offset + bucket_start[b], b)
+            for param, (start, end, b) in buffer.param_index_map.items()
+        }
+
+    def with_unpadded_offsets(self, *args, **kwargs):
+        padded = [buffer.param_index_map for buffer in self.buffers]
+        try:
+            for buffer in self.buffers:
+                buffer.param_index_map = unpadded_offsets(buffer)
+            return sharded_param_state(self, *args, **kwargs)
+        finally:
+            for buffer, index_map in zip(self.buffers, padded):
+                buffer.param_index_map = index_map
+
+    cls.sharded_param_state_fully_reshardable = with_unpadded_offsets

@@ -1,0 +1,115 @@
+"""Worker of the parallel-equivalence tests, launched by torchrun at one parallel layout.
+
+It builds the training run of ``recipes/tiny_cpu.yaml`` (shrunk; flags after ``--`` are the entry
+point's own overrides, e.g. ``--tensor-model-parallel-size 2``) through the training module's
+own functions, loads the weights of a seed checkpoint, and for every recompute mode and every
+k ∈ {1, 2, 3} runs two optimizer steps of k passes on the same global batches. It writes:
+  <out>/losses.json                    per (mode, k): the per-pass losses of both steps
+  <out>/<mode>_k<k>/grads              the first step's reduced gradients, as a checkpoint
+  <out>/<mode>_k<k>/params             the weights after the second step, as a checkpoint
+Checkpoints are megatron-core dist_checkpointing ones, so the test reads every layout's at
+TP=PP=1 and compares tensor by tensor. ``--create-seed`` (one process) writes the seed first.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+RECOMPUTE = {
+    "none": {},
+    "passes": {"recompute_passes": True},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+SHRINK = [
+    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
+    "--lr-warmup-iters", "0", "--adam-eps", "1", "--lr", "0.3", "--eval-iters", "0", "--tensorboard", "false", "--corpus", "null",
+]
+
+
+def full_gradients(ddp):
+    """The reduced gradients, whole on every rank: with the distributed optimizer each DP rank
+    holds only its reduced shard of every bucket, so gather the shards."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if ddp.ddp_config.use_distributed_optimizer and size > 1:
+        for buffer in ddp.buffers:
+            for bucket in buffer.buckets:
+                shards = list(bucket.grad_data.chunk(size))
+                dist.all_gather(shards, shards[rank].clone(), group=group)
+    return {name: p.main_grad for name, p in ddp.module.named_parameters()}
+
+
+def save_tensors(module, tensors, folder):
+    """Save ``tensors`` (name → tensor shaped like the parameter) in the module's sharded layout."""
+    from megatron.core import dist_checkpointing
+
+    saved = {name: p.data for name, p in module.named_parameters()}
+    for name, p in module.named_parameters():
+        p.data = tensors[name]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(module.sharded_state_dict(), str(folder))
+    for name, p in module.named_parameters():
+        p.data = saved[name]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--corpus", required=True)
+    parser.add_argument("--seed-checkpoint", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--create-seed", action="store_true")
+    parser.add_argument("--modes", default=",".join(RECOMPUTE))
+    parser.add_argument("--passes", default="1,2,3")
+    args, overrides = parser.parse_known_args()
+
+    import torch.distributed as dist
+
+    from fbt_megatron import checkpointing, platform, train
+
+    recipe = train.parse_args(["--recipe", "recipes/tiny_cpu.yaml", "--data-path", args.corpus, *SHRINK, *overrides])
+    t, p = recipe.training, recipe.parallel
+    torch.set_num_threads(1)
+    platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed)
+    data = train.build_data(recipe, dist.get_rank())
+    vocab = data.tokenizer.padded_vocab_size(p.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
+    out = Path(args.out)
+    if args.create_seed:
+        _, model, _ = train.build_model(recipe, vocab)
+        checkpointing.save(args.seed_checkpoint, 0, model, None, None, {"iteration": 0})
+        (out / "model.json").parent.mkdir(parents=True, exist_ok=True)
+        (out / "model.json").write_text(json.dumps({"vocab_size": vocab, "seq_length": recipe.data.seq_length, **recipe.model_overrides}))
+
+    reporter = dist.get_rank() == dist.get_world_size() - 1  # last stage, last TP and DP rank
+    losses = {}
+    base = dict(recipe.model_overrides)
+    for mode in args.modes.split(","):
+        for k in map(int, args.passes.split(",")):
+            recipe.model_overrides = {**base, **RECOMPUTE[mode]}
+            config, model, ddp = train.build_model(recipe, vocab)
+            checkpointing.load(args.seed_checkpoint, model, None, None)
+            optimizer, _ = train.build_optimizer(recipe, config, ddp)
+            steps = []
+            for step in range(2):
+                ddp.start_step(k)
+                optimizer.zero_grad()
+                report = train.run_schedule(recipe, ddp, data.train, step * t.global_batch_size, k, forward_only=False)
+                if report:
+                    steps.append(train.data_parallel_mean(report)["pass_losses"])
+                if step == 0:
+                    save_tensors(model, full_gradients(ddp), out / f"{mode}_k{k}" / "grads")
+                optimizer.step()
+            save_tensors(model, {n: q.data for n, q in model.named_parameters()}, out / f"{mode}_k{k}" / "params")
+            losses[f"{mode}_k{k}"] = steps
+    if reporter:
+        (out / "losses.json").write_text(json.dumps(losses))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Worker of the sequence-layout test: every rank holds its SP/CP rows of one random [s, b, h]
+state; the distributed shift must equal the whole-sequence right shift at those rows, and its
+backward must give every row the gradient the whole-sequence computation gives it."""
+
+import argparse
+import sys
+from types import SimpleNamespace
+
+import torch
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=32)
+    args = parser.parse_args()
+
+    import torch.distributed as dist
+
+    from fbt_megatron import platform
+    from fbt_megatron.parallel.sequence import sequence_layout
+
+    platform.init_distributed(args.tp, context_parallel_size=args.cp)
+    config = SimpleNamespace(sequence_parallel=args.tp > 1, context_parallel_size=args.cp)
+    layout = sequence_layout(config, args.seq)
+    g = torch.Generator().manual_seed(0)
+    state, weight = torch.randn(args.seq, 3, 8, generator=g), torch.randn(args.seq, 3, 8, generator=g)
+
+    whole = state.clone().requires_grad_()
+    shifted_whole = torch.cat([torch.zeros_like(whole[:1]), whole[:-1]])
+    (shifted_whole * weight).sum().backward()
+
+    local = layout.local(state).clone().requires_grad_()
+    shifted = layout.shift(local)
+    (shifted * layout.local(weight)).sum().backward()
+
+    value_error = (shifted - layout.local(shifted_whole.detach())).abs().max().item()
+    grad_error = (local.grad - layout.local(whole.grad)).abs().max().item()
+    covered = torch.zeros(args.seq)
+    covered[layout.positions] = 1
+    dist.all_reduce(covered)
+    ok = value_error == 0 and grad_error == 0 and bool((covered == 1).all())  # every position on one rank
+    print(f"rank {dist.get_rank()}: rows {layout.positions.tolist()} value error {value_error} grad error {grad_error}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Compare what equivalence_worker.py wrote at two parallel layouts, tensor by tensor, at TP=PP=1."""
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| / max |a| (0 when both are zero)."""
+    scale = a.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def tensors(folder, model_args: dict) -> dict:
+    from megatron.core import dist_checkpointing
+
+    from fbt_megatron.config import make_config
+    from fbt_megatron.model import FBTModel
+
+    model = FBTModel(make_config("tiny", **model_args))
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(folder))
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+
+
+def compare(reference, other) -> dict:
+    """Worst relative difference of per-pass losses, first-step gradients and the weights after
+    two steps, per trial (recompute mode × k) that ``other`` ran."""
+    reference, other = Path(reference), Path(other)
+    model_args = json.loads((reference / "model.json").read_text())
+    ref_losses = json.loads((reference / "losses.json").read_text())
+    got_losses = json.loads((other / "losses.json").read_text())
+    out = {}
+    for trial in sorted(got_losses):
+        worst = {"losses": relative(torch.tensor(ref_losses[trial]), torch.tensor(got_losses[trial]))}
+        for kind in ("grads", "params"):
+            a, b = tensors(reference / trial / kind, model_args), tensors(other / trial / kind, model_args)
+            assert sorted(a) == sorted(b)
+            worst[kind] = max(relative(a[name], b[name]) for name in a)
+        out[trial] = worst
+    return out

@@ -1,0 +1,174 @@
+"""Every parallel layout computes what one process computes (real gloo processes, fp32).
+
+* The equivalence matrix: for each layout, k ∈ {1, 2, 3} and recompute off / pass-level /
+  megatron full, the per-pass losses of two steps, the first step's reduced gradients and the
+  weights after the second step equal the single-process run's within 1e-5 relative.
+* The SP/CP shift of the carried state equals the whole-sequence shift, values and gradients.
+* The entry point under torchrun logs the same losses at every layout, and checkpoints move
+  between layouts (TP2×PP2 → 1 process, 1 process → TP2×PP2, DP2 → DP1).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import equivalence
+from fbt_megatron.fbt import PassSchedule
+from fbt_megatron.metrics import read_metrics
+from helpers import launch
+
+DISTRIBUTED = Path(__file__).parent / "distributed"
+LAYOUTS = {  # name: (processes, flags); the distributed optimizer is on by default
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "true"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
+    "dp2_distopt_overlap": (2, ["--overlap-grad-reduce", "true"]),
+    "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "tp2_dp2": (4, ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "true"]),
+}
+TOLERANCE = 1e-5
+
+
+def corpus_flags(corpus) -> list:
+    return ["--data-path", str(Path(corpus.train_prefix).parent), "--corpus", "null"]
+
+
+# ---------------------------------------------------------------- the equivalence matrix
+class Runs:
+    """Runs of tests/distributed/equivalence_worker.py in one folder, all from one seed checkpoint."""
+
+    def __init__(self, root: Path, corpus):
+        self.root, self.corpus = root, corpus
+
+    def run(self, name: str, nproc: int, *flags) -> Path:
+        args = ["--corpus", Path(self.corpus.train_prefix).parent, "--seed-checkpoint", self.root / "seed", "--out", self.root / name]
+        code, text = launch(self.root / f"{name}.log", DISTRIBUTED / "equivalence_worker.py", *args, *flags, nproc=nproc)
+        assert code == 0, text[-4000:]
+        return self.root / name
+
+
+@pytest.fixture(scope="module")
+def runs(small_corpus, tmp_path_factory):
+    """The single-process reference run; it also writes the seed checkpoint."""
+    runs = Runs(tmp_path_factory.mktemp("equivalence"), small_corpus)
+    runs.run("single", 1, "--create-seed")
+    return runs
+
+
+@pytest.mark.slow
+def test_reference_is_deterministic_and_not_vacuous(runs):
+    """Same seed and config → the same numbers; the steps move the weights; passes differ."""
+    again = runs.run("single_again", 1, "--modes", "none", "--passes", "3")
+    assert all(v == 0 for worst in equivalence.compare(runs.root / "single", again).values() for v in worst.values())
+    model_args = json.loads((runs.root / "single" / "model.json").read_text())
+    before = equivalence.tensors(runs.root / "seed" / "iter_0000000", model_args)
+    after = equivalence.tensors(again / "none_k3" / "params", model_args)
+    assert max(equivalence.relative(before[name], after[name]) for name in before) > 1e-3
+    assert len(set(json.loads((again / "losses.json").read_text())["none_k3"][0])) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_equals_single_process(layout, runs):
+    nproc, flags = LAYOUTS[layout]
+    result = equivalence.compare(runs.root / "single", runs.run(layout, nproc, *flags))
+    for trial, worst in sorted(result.items()):
+        print(f"{layout:20s} {trial:9s} " + "  ".join(f"{kind} {value:.1e}" for kind, value in worst.items()))
+    assert len(result) == 9  # 3 recompute modes × k = 1, 2, 3
+    assert all(value <= TOLERANCE for worst in result.values() for value in worst.values()), result
+
+
+# ---------------------------------------------------------------- the shift across shards
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,flags", [(2, ["--tp", "2"]), (2, ["--cp", "2"]), (4, ["--cp", "4"]), (4, ["--tp", "2", "--cp", "2"])])
+def test_sharded_shift_equals_whole_sequence_shift(nproc, flags, tmp_path):
+    code, text = launch(tmp_path / "shift.log", DISTRIBUTED / "sequence_worker.py", *flags, nproc=nproc)
+    assert code == 0, text[-3000:]
+    assert text.count("value error 0.0 grad error 0.0") == nproc
+
+
+# ---------------------------------------------------------------- the entry point at every layout
+ENTRY = [
+    "--recipe", "recipes/tiny_cpu.yaml", "--threads", "1", "--seq-length", "64", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--train-iters", "6", "--lr-warmup-iters", "1", "--log-interval", "1",
+    "--eval-interval", "3", "--eval-iters", "1", "--save-interval", "3", "--tensorboard", "false",
+    "--pass-mixture", "{1: 0.4, 2: 0.3, 3: 0.3}",
+]
+ENTRY_LAYOUTS = {
+    "single": (1, []),
+    **{name: LAYOUTS[name] for name in ("tp2_sp", "pp2", "dp2_distopt_overlap", "tp2_pp2")},
+    # k changes between steps: the overlapped reduction's per-k bookkeeping across pass chunks
+    "pp2_dp2_overlap": (4, ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "true"]),
+}
+
+
+class EntryRuns:
+    """``python -m fbt_megatron.train`` under torchrun, every run starting from one seed checkpoint."""
+
+    def __init__(self, root: Path, corpus):
+        self.root, self.flags, self.done = root, [*ENTRY, *corpus_flags(corpus)], {}
+        self.launch("seed", 1, "--save", root / "seed", "--create-seed-checkpoint", "true")
+
+    def launch(self, name: str, nproc: int, *flags) -> Path:
+        code, text = launch(self.root / f"{name}.log", "-m", "fbt_megatron.train", *self.flags, *flags, nproc=nproc)
+        assert code == 0, text[-4000:]
+        return self.root / name
+
+    def layout(self, name: str) -> list:
+        """The records of an uninterrupted run at a layout (run once)."""
+        if name not in self.done:
+            nproc, flags = ENTRY_LAYOUTS[name]
+            self.done[name] = read_metrics(self.launch(name, nproc, *flags, "--load", self.root / "seed", "--save", self.root / name))
+        return self.done[name]
+
+    def resume(self, source: str, target: str, iteration: int) -> list:
+        """Records of a run resumed at layout ``target`` from ``source``'s checkpoint ``iteration``."""
+        self.layout(source)
+        folder = self.root / f"{source}_to_{target}"
+        name = f"iter_{iteration:07d}"
+        shutil.copytree(self.root / source / name, folder / name)
+        (folder / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+        nproc, flags = ENTRY_LAYOUTS[target]
+        return read_metrics(self.launch(folder.name, nproc, *flags, "--load", folder, "--save", folder))
+
+
+@pytest.fixture(scope="module")
+def entry(small_corpus, tmp_path_factory):
+    return EntryRuns(tmp_path_factory.mktemp("entry"), small_corpus)
+
+
+def worst_difference(expected: list, got: list) -> float:
+    """Largest relative difference over steps of loss, per-pass losses, grad norm, validation."""
+    assert [r["step"] for r in expected] == [r["step"] for r in got] and [r["k"] for r in expected] == [r["k"] for r in got]
+    worst = 0.0
+    for e, g in zip(expected, got):
+        keys = ["loss", "grad_norm"] + [key for key in e if key.startswith("valid_loss")]
+        pairs = [(e[key], g[key]) for key in keys] + list(zip(e["pass_losses"], g["pass_losses"]))
+        worst = max([worst] + [abs(a - b) / abs(a) for a, b in pairs])
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name for name in ENTRY_LAYOUTS if name != "single"])
+def test_entry_point_logs_the_same_losses_at_every_layout(layout, entry):
+    single = entry.layout("single")
+    assert {r["k"] for r in single} == {1, 2, 3}
+    assert [r["k"] for r in single] == [PassSchedule(1234, 1, {1: 0.4, 2: 0.3, 3: 0.3})(i) for i in range(6)]
+    worst = worst_difference(single, entry.layout(layout))
+    print(f"entry point, {layout} vs one process, 6 steps (k = {[r['k'] for r in single]}): worst relative difference {worst:.1e}")
+    assert worst <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source,target", [("tp2_pp2", "single"), ("single", "tp2_pp2"), ("dp2_distopt_overlap", "single")])
+def test_checkpoint_resumes_at_another_layout(source, target, entry):
+    """Saved at step 3 under one layout, resumed under another: steps 4–6 as uninterrupted."""
+    resumed = entry.resume(source, target, 3)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    versus_source = worst_difference(entry.layout(source)[3:], resumed)
+    versus_target = worst_difference(entry.layout(target)[3:], resumed)
+    print(f"resume {source} → {target}: vs uninterrupted {source} {versus_source:.1e}, vs uninterrupted {target} {versus_target:.1e}")
+    assert versus_source <= 1e-6 and versus_target <= 1e-6
