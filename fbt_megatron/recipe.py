@@ -19,6 +19,9 @@ from typing import Any, Dict, List, Literal, Optional
 import yaml
 
 
+from fbt_megatron import platform
+
+
 class RecipeError(ValueError):
     """A recipe or command line that cannot be run; the message names the offending key."""
 
@@ -104,6 +107,9 @@ class ParallelSection:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     """Shard activations along the sequence across TP ranks (needs TP > 1)."""
+    context_parallel_size: int = 1
+    """Split every sequence over CP ranks in megatron-core's load-balanced chunks (needs Transformer
+    Engine attention, i.e. a GPU)."""
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
 
@@ -160,6 +166,7 @@ class Recipe:
             ("passes.passes", self.passes.passes),
             ("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
             ("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size),
+            ("parallel.context_parallel_size", p.context_parallel_size),
         ]
         for key, value in positive:
             if value < 1:
@@ -170,11 +177,11 @@ class Recipe:
             raise RecipeError("checkpoint.create_seed_checkpoint needs one process and --save")
         if self.checkpoint.save_interval is not None and self.checkpoint.save_interval < 1:
             raise RecipeError(f"checkpoint.save_interval must be >= 1, got {self.checkpoint.save_interval}")
-        model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
         if world_size % model_parallel:
             raise RecipeError(
-                f"tensor ({p.tensor_model_parallel_size}) x pipeline ({p.pipeline_model_parallel_size}) "
-                f"parallel size does not divide the world size {world_size}"
+                f"tensor ({p.tensor_model_parallel_size}) x pipeline ({p.pipeline_model_parallel_size}) x context "
+                f"({p.context_parallel_size}) parallel size does not divide the world size {world_size}"
             )
         dp = world_size // model_parallel
         if t.global_batch_size % (t.micro_batch_size * dp):
@@ -192,6 +199,12 @@ class Recipe:
             raise RecipeError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
         if p.sequence_parallel and self.data.seq_length % p.tensor_model_parallel_size:
             raise RecipeError(f"data.seq_length {self.data.seq_length} is not divisible by TP {p.tensor_model_parallel_size} (sequence parallel)")
+        if p.context_parallel_size > 1:
+            chunks = 2 * p.context_parallel_size * (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+            if self.data.seq_length % chunks:
+                raise RecipeError(f"data.seq_length {self.data.seq_length} does not split into {chunks} equal chunks (context parallel)")
+            if not platform.have_transformer_engine():
+                raise RecipeError("parallel.context_parallel_size > 1 needs Transformer Engine attention (a CUDA machine with the GPU extras)")
         if o.bf16 and o.fp16:
             raise RecipeError("optimizer.bf16 and optimizer.fp16 are exclusive")
         if not 0 <= o.lr_wsd_decay_fraction <= 1:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from fbt_megatron import checkpointing, platform
 from fbt_megatron.cli import run_cli
-from fbt_megatron.fbt import PassSchedule, multi_pass_loss, pass_weights
+from fbt_megatron.fbt import PassSchedule, pass_weights
 from fbt_megatron.metrics import MetricsLogger
 from fbt_megatron.recipe import Recipe, RecipeError, add_override_flags, apply_overrides, load_recipe
 
@@ -47,6 +47,7 @@ def build_model(recipe: Recipe, vocab_size: int):
             "tensor_model_parallel_size": p.tensor_model_parallel_size,
             "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
             "sequence_parallel": p.sequence_parallel,
+            "context_parallel_size": p.context_parallel_size,
             "bf16": o.bf16,
             "fp16": o.fp16,
             "params_dtype": dtype,
@@ -172,15 +173,22 @@ def sequence_seed(seed: int, sample: int) -> int:
 
 def microbatches(dataset, first_sample: int, recipe: Recipe, dp_rank: int, dp_size: int):
     """This data-parallel rank's microbatches of the global batch starting at ``first_sample``.
-    Global batch g holds samples [g·G, (g+1)·G); rank r takes its contiguous G/dp of them."""
+    Global batch g holds samples [g·G, (g+1)·G); rank r takes its contiguous G/dp of them. Under
+    context parallelism each CP rank keeps its load-balanced chunks of every sequence."""
+    from megatron.core import parallel_state
+
+    from fbt_megatron.parallel.sequence import shard_positions
+
     t = recipe.training
+    cp = parallel_state.get_context_parallel_world_size()
+    columns = shard_positions(recipe.data.seq_length, parallel_state.get_context_parallel_rank(), cp, 0, 1)
     per_rank = t.global_batch_size // dp_size
     start = first_sample + dp_rank * per_rank
     for m in range(per_rank // t.micro_batch_size):
         ids = range(start + m * t.micro_batch_size, start + (m + 1) * t.micro_batch_size)
         items = [dataset[i] for i in ids]
         batch = {
-            key: torch.stack([torch.as_tensor(item[key]) for item in items]).to(platform.device())
+            key: torch.stack([torch.as_tensor(item[key]) for item in items])[:, columns].to(platform.device())
             for key in ("tokens", "labels", "loss_mask")
         }
         batch["seeds"] = [sequence_seed(t.seed, i) for i in ids]
@@ -213,14 +221,14 @@ def run_schedule(recipe: Recipe, ddp, dataset, first_sample: int, num_passes: in
 
 
 def data_parallel_mean(report: dict) -> dict:
-    """A step's report averaged over data-parallel ranks (and over the TP ranks, which hold
-    shards of the sequence under SP), as floats (one host sync: log steps only)."""
+    """A step's report averaged over data- and context-parallel ranks (and over the TP ranks, which
+    hold shards of the sequence under SP), as floats (one host sync: log steps only)."""
     from megatron.core import parallel_state
 
     out = {}
     for key, value in report.items():
         value = value.clone()
-        for group in (parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()):
+        for group in (parallel_state.get_data_parallel_group(with_context_parallel=True), parallel_state.get_tensor_model_parallel_group()):
             dist.all_reduce(value, group=group)
             value /= dist.get_world_size(group)
         out[key] = value.tolist()
@@ -289,8 +297,9 @@ def train(recipe: Recipe) -> List[dict]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     recipe.validate(world)
     saved = resume_state(recipe)
+    p = recipe.parallel
     platform.init_distributed(
-        recipe.parallel.tensor_model_parallel_size, recipe.parallel.pipeline_model_parallel_size, t.seed
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed, context_parallel_size=p.context_parallel_size
     )
     rank = dist.get_rank()
     data = build_data(recipe, rank)
@@ -313,7 +322,8 @@ def train(recipe: Recipe) -> List[dict]:
         print(
             f"fbt-megatron: {recipe.model.preset} ({sum(p.numel() for p in model.parameters()):,} params on this rank), "
             f"data {data.source}, world {dist.get_world_size()} (tp {recipe.parallel.tensor_model_parallel_size}, "
-            f"pp {recipe.parallel.pipeline_model_parallel_size}, dp {parallel_state.get_data_parallel_world_size()}), "
+            f"pp {recipe.parallel.pipeline_model_parallel_size}, cp {recipe.parallel.context_parallel_size}, "
+            f"dp {parallel_state.get_data_parallel_world_size()}), "
             f"steps {state.iteration}→{t.train_iters}",
             flush=True,
         )

@@ -28,6 +28,7 @@ LAYOUTS = {  # name: (processes, flags); the distributed optimizer is on by defa
     "dp2_distopt_overlap": (2, ["--overlap-grad-reduce", "true"]),
     "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "tp2_dp2": (4, ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "true"]),
+    "pp2_dp2_overlap": (4, ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "true"]),
 }
 TOLERANCE = 1e-5
 
@@ -79,6 +80,9 @@ def test_layout_equals_single_process(layout, runs):
         print(f"{layout:20s} {trial:9s} " + "  ".join(f"{kind} {value:.1e}" for kind, value in worst.items()))
     assert len(result) == 9  # 3 recompute modes × k = 1, 2, 3
     assert all(value <= TOLERANCE for worst in result.values() for value in worst.values()), result
+    if "--overlap-grad-reduce" in flags:  # every bucket's reduction started inside the backward
+        launches = json.loads((runs.root / layout / "overlap.json").read_text())
+        assert all(starts and all(starts) for starts in launches.values()), launches
 
 
 # ---------------------------------------------------------------- the shift across shards
@@ -100,8 +104,7 @@ ENTRY = [
 ENTRY_LAYOUTS = {
     "single": (1, []),
     **{name: LAYOUTS[name] for name in ("tp2_sp", "pp2", "dp2_distopt_overlap", "tp2_pp2")},
-    # k changes between steps: the overlapped reduction's per-k bookkeeping across pass chunks
-    "pp2_dp2_overlap": (4, ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "true"]),
+    "pp2_dp2_overlap": LAYOUTS["pp2_dp2_overlap"],  # k changes between steps: per-k overlap bookkeeping
 }
 
 

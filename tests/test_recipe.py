@@ -72,6 +72,22 @@ def test_parallel_sizes_must_divide_the_world():
     r.validate(world_size=4)
 
 
+@pytest.mark.parametrize(
+    "flags,world,message",
+    [
+        ({"sequence_parallel": True}, 1, "sequence_parallel needs tensor_model_parallel_size > 1"),
+        ({"pipeline_model_parallel_size": 4}, 4, "2 microbatches per step"),  # 16 / 8: fewer than PP
+        ({"context_parallel_size": 2}, 2, "needs Transformer Engine attention"),
+    ],
+)
+def test_parallel_layouts_the_run_cannot_use(flags, world, message):
+    r = load_recipe(str(RECIPES / "tiny_cpu.yaml"))
+    for name, value in flags.items():
+        setattr(r.parallel, name, value)
+    with pytest.raises(RecipeError, match=message):
+        r.validate(world_size=world)
+
+
 def test_bad_flag_value_is_refused():
     with pytest.raises(RecipeError, match="--micro-batch-size must be an integer"):
         parse(RECIPES / "tiny_cpu.yaml", "--micro-batch-size", "eight")

@@ -4,7 +4,7 @@
 2. the Transformer Engine spec against the local spec with the same weights: per-pass losses and
    gradients of the k-pass step, k = 1, 2, 3, in FP32 (TF32 off); then BF16 and FP8 (delayed scaling);
 3. fbt-1b throughput, MFU and peak memory in BF16 for k = 1, 2, 3 and k = 3 with recompute_passes;
-4. with 2+ GPUs: TP=2 against 1 GPU through the training entry point (NCCL);
+4. with 2+ GPUs: TP=2 and CP=2 against 1 GPU through the training entry point (NCCL);
 5. a summary table. Exit code: 0 all passed, 1 a check failed, 2 no CUDA / no Transformer Engine.
 
     tools/gpu_check.sh [--skip-perf] [--skip-multi-gpu] [--perf-seq-length 4096]
@@ -50,7 +50,7 @@ TOL = {
     "fp32 grad": 1e-3,  # max |g_te - g_local| / max |g_local|, worst parameter tensor
     "bf16 loss": 2e-3,  # relative, BF16 TE vs FP32 local
     "fp8 loss": 1e-2,  # relative, FP8 TE vs BF16 TE
-    "tp loss": 1e-4,  # relative, TP=2 vs 1 GPU, every logged per-pass loss over 12 FP32 training steps (CPU/gloo: 1e-7)
+    "tp loss": 1e-4,  # relative, TP=2 or CP=2 vs 1 GPU, every logged per-pass loss over 12 FP32 training steps (CPU/gloo TP: 1e-7)
 }
 # dense BF16 tensor-core peak per GPU (FLOP/s), first matching name wins; FBT_PEAK_FLOPS overrides
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("B200", 2250e12)]
@@ -335,43 +335,50 @@ def launch(cmd, log: Path, timeout: int):
         raise RuntimeError(f"exit code {code}; end of {log}:\n{tail}")
 
 
+MULTI_GPU = {"TP=2": ["--tensor-model-parallel-size", 2], "CP=2": ["--context-parallel-size", 2]}
+
+
 def multi_gpu(parent: Path):
     if torch.cuda.device_count() < 2:
-        for check in ("TP=2 vs 1 GPU (entry point, NCCL)", "CP=2 end-to-end"):
-            print(f"{check}: skipped: needs 2 GPUs")
-            record(check, "skipped: needs 2 GPUs", "-", "SKIP")
+        for name in MULTI_GPU:
+            print(f"{name} vs 1 GPU (entry point, NCCL): skipped: needs 2 GPUs")
+            record(f"{name} vs 1 GPU (entry point, NCCL)", "skipped: needs 2 GPUs", "-", "SKIP")
         return
-    print("CP=2 end-to-end: not wired yet (see fbt_megatron/parallel/sequence.py)")
-    record("CP=2 end-to-end", "not wired yet (see fbt_megatron/parallel/sequence.py)", "-", "SKIP")
-
-    print(f"\n== TP=2 vs 1 GPU through fbt_megatron.train (recipes/tiny_cpu.yaml, FP32, {TP_STEPS} steps, same seed checkpoint)")
+    print(f"\n== TP=2 and CP=2 vs 1 GPU through fbt_megatron.train (recipes/tiny_cpu.yaml, FP32, {TP_STEPS} steps, same seed checkpoint)")
     parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=parent))
     print(f"run folders and logs: {workdir}")
-    seed, one, two = workdir / "seed", workdir / "tp1", workdir / "tp2"
+    seed, one = workdir / "seed", workdir / "gpu1"
     recipe = ["--recipe", "recipes/tiny_cpu.yaml", "--tensorboard", "false"]
     train = [*recipe, "--load", seed, "--train-iters", TP_STEPS, "--lr-warmup-iters", 2, "--log-interval", 1,
              "--eval-iters", 0, "--pass-mixture", "{1: 0.4, 2: 0.3, 3: 0.3}"]
     entry = [sys.executable, "-m", "fbt_megatron.train"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, "-m", "fbt_megatron.train"]
     launch([*entry, *recipe, "--save", seed, "--create-seed-checkpoint", "true"], workdir / "seed.log", 900)  # prepares the corpus on first use
-    launch([*entry, *train, "--save", one], workdir / "tp1.log", 600)
-    launch([*torchrun, *train, "--tensor-model-parallel-size", 2, "--save", two], workdir / "tp2.log", 600)
+    launch([*entry, *train, "--save", one], workdir / "gpu1.log", 600)
 
     from fbt_megatron.metrics import read_metrics
 
-    a, b = ({r["step"]: r for r in read_metrics(d)} for d in (one, two))
-    if not a or sorted(a) != sorted(b):
-        raise AssertionError(f"logged steps differ: 1 GPU {sorted(a)}, TP=2 {sorted(b)}")
-    worst = 0.0
-    for step in sorted(a):
-        if a[step]["k"] != b[step]["k"]:
-            raise AssertionError(f"step {step}: k {a[step]['k']} on 1 GPU, {b[step]['k']} with TP=2")
-        diffs = [rel(x, y) for x, y in zip(b[step]["pass_losses"], a[step]["pass_losses"])]
-        worst = max([worst, *diffs])
-        print(f"step {step:>3} k={a[step]['k']}: 1 GPU {fmt(a[step]['pass_losses'])} | TP=2 {fmt(b[step]['pass_losses'])} | rel {max(diffs):.1e}")
-    ks = sorted({r["k"] for r in a.values()})
-    record(f"TP=2 vs 1 GPU: per-pass losses, {len(a)} steps, k in {ks}", f"{worst:.1e}", f"< {TOL['tp loss']:.0e} rel", worst < TOL["tp loss"])
+    a = {r["step"]: r for r in read_metrics(one)}
+    for name, flags in MULTI_GPU.items():
+        check = f"{name} vs 1 GPU: per-pass losses, {len(a)} steps, k in {sorted({r['k'] for r in a.values()})}"
+        folder = workdir / name.replace("=", "")
+        try:
+            launch([*torchrun, *train, *flags, "--save", folder], folder.with_suffix(".log"), 600)
+        except RuntimeError as e:
+            print(e)
+            record(check, "run failed (see log)", f"< {TOL['tp loss']:.0e} rel", False)
+            continue
+        b = {r["step"]: r for r in read_metrics(folder)}
+        if sorted(a) != sorted(b) or any(a[s]["k"] != b[s]["k"] for s in a):
+            record(check, "logged steps or k differ", f"< {TOL['tp loss']:.0e} rel", False)
+            continue
+        worst = 0.0
+        for step in sorted(a):
+            diffs = [rel(x, y) for x, y in zip(b[step]["pass_losses"], a[step]["pass_losses"])]
+            worst = max([worst, *diffs])
+            print(f"step {step:>3} k={a[step]['k']}: 1 GPU {fmt(a[step]['pass_losses'])} | {name} {fmt(b[step]['pass_losses'])} | rel {max(diffs):.1e}")
+        record(check, f"{worst:.1e}", f"< {TOL['tp loss']:.0e} rel", worst < TOL["tp loss"])
 
 
 # ---------------------------------------------------------------- 5. summary

@@ -7,6 +7,7 @@ k ∈ {1, 2, 3} runs two optimizer steps of k passes on the same global batches.
   <out>/losses.json                    per (mode, k): the per-pass losses of both steps
   <out>/<mode>_k<k>/grads              the first step's reduced gradients, as a checkpoint
   <out>/<mode>_k<k>/params             the weights after the second step, as a checkpoint
+  <out>/overlap.json                   per (mode, k): where the second step's reductions started
 Checkpoints are megatron-core dist_checkpointing ones, so the test reads every layout's at
 TP=PP=1 and compares tensor by tensor. ``--create-seed`` (one process) writes the seed first.
 """
@@ -42,6 +43,19 @@ def full_gradients(ddp):
                 shards = list(bucket.grad_data.chunk(size))
                 dist.all_gather(shards, shards[rank].clone(), group=group)
     return {name: p.main_grad for name, p in ddp.module.named_parameters()}
+
+
+def record_launches(ddp) -> list:
+    """For every bucket collective started, whether it started inside backward (overlapped with
+    it: megatron-core launches from gradient hooks) or after it (in finish_grad_sync)."""
+    launches = []
+    for group in ddp.bucket_groups:
+        def start(*args, _start=group.start_grad_sync, **kwargs):
+            launches.append(torch._C._current_graph_task_id() != -1)
+            return _start(*args, **kwargs)
+
+        group.start_grad_sync = start
+    return launches
 
 
 def save_tensors(module, tensors, folder):
@@ -85,7 +99,7 @@ def main():
         (out / "model.json").write_text(json.dumps({"vocab_size": vocab, "seq_length": recipe.data.seq_length, **recipe.model_overrides}))
 
     reporter = dist.get_rank() == dist.get_world_size() - 1  # last stage, last TP and DP rank
-    losses = {}
+    losses, overlap = {}, {}
     base = dict(recipe.model_overrides)
     for mode in args.modes.split(","):
         for k in map(int, args.passes.split(",")):
@@ -93,8 +107,9 @@ def main():
             config, model, ddp = train.build_model(recipe, vocab)
             checkpointing.load(args.seed_checkpoint, model, None, None)
             optimizer, _ = train.build_optimizer(recipe, config, ddp)
-            steps = []
+            steps, launches = [], record_launches(ddp)
             for step in range(2):
+                launches.clear()  # keep the second step's: the first learns when to launch
                 ddp.start_step(k)
                 optimizer.zero_grad()
                 report = train.run_schedule(recipe, ddp, data.train, step * t.global_batch_size, k, forward_only=False)
@@ -104,9 +119,10 @@ def main():
                     save_tensors(model, full_gradients(ddp), out / f"{mode}_k{k}" / "grads")
                 optimizer.step()
             save_tensors(model, {n: q.data for n, q in model.named_parameters()}, out / f"{mode}_k{k}" / "params")
-            losses[f"{mode}_k{k}"] = steps
+            losses[f"{mode}_k{k}"], overlap[f"{mode}_k{k}"] = steps, list(launches)
     if reporter:
         (out / "losses.json").write_text(json.dumps(losses))
+        (out / "overlap.json").write_text(json.dumps(overlap))
     dist.barrier()
     dist.destroy_process_group()
 
