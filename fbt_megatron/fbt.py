@@ -139,9 +139,12 @@ def pass_weights(config, num_passes: int) -> List[float]:
     return list(config.pass_weights[:num_passes])
 
 
-def masked_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor, num_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Σ loss·mask / number of loss tokens. ``num_tokens`` is that number over whole sequences when
+    they are split over context-parallel ranks: each rank's value is then its share of the mean."""
     loss_mask = loss_mask.to(token_loss.dtype)
-    return (token_loss * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    count = loss_mask.sum() if num_tokens is None else num_tokens.to(token_loss.dtype)
+    return (token_loss * loss_mask).sum() / count.clamp(min=1)
 
 
 def default_feedback(model, tokens: torch.Tensor, sequence_seeds: List[int]) -> Callable[[torch.Tensor, int], Feedback]:
@@ -185,12 +188,14 @@ def multi_pass_loss(
     num_passes: int,
     sequence_seeds: List[int],
     feedback_fn: Optional[Callable[[torch.Tensor, int], Feedback]] = None,
+    num_tokens: Optional[torch.Tensor] = None,
 ) -> MultiPassOutput:
     """k passes of teacher-forced training on one microbatch ([b, s] tokens/labels/mask), the
     whole model on this rank (no pipeline; ``parallel.pipeline`` runs passes across stages).
 
     `sequence_seeds` (one int per sequence) seed its prefix-mixin and jitter draws;
-    `feedback_fn(state, j)` may replace those draws (tests pass fixed prefixes/noise)."""
+    `feedback_fn(state, j)` may replace those draws (tests pass fixed prefixes/noise);
+    `num_tokens`: see ``masked_mean``."""
     if num_passes < 1:
         raise ValueError(f"num_passes must be >= 1, got {num_passes}")
     feedback_fn = feedback_fn or default_feedback(model, tokens, sequence_seeds)
@@ -198,7 +203,7 @@ def multi_pass_loss(
     total, losses, deltas, prev = 0.0, [], [], None
     for j in range(1, num_passes + 1):
         token_loss, top = run_pass(model, tokens, labels, j, prev, feedback_fn)
-        loss_j = masked_mean(token_loss, loss_mask)
+        loss_j = masked_mean(token_loss, loss_mask, num_tokens)
         total = total + weights[j - 1] * loss_j
         losses.append(loss_j.detach())
         if prev is not None:

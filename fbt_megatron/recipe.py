@@ -195,6 +195,8 @@ class Recipe:
                 f"{micro} microbatches per step (global batch / (micro batch x DP)) must be a multiple of "
                 f"pipeline_model_parallel_size {p.pipeline_model_parallel_size}"
             )
+        if p.pipeline_model_parallel_size > 1 and self.model_overrides.get("detach_feedback"):
+            raise RecipeError("model.detach_feedback (an ablation) is not supported with pipeline parallelism")
         if p.sequence_parallel and p.tensor_model_parallel_size == 1:
             raise RecipeError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
         if p.sequence_parallel and self.data.seq_length % p.tensor_model_parallel_size:

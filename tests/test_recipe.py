@@ -78,12 +78,16 @@ def test_parallel_sizes_must_divide_the_world():
         ({"sequence_parallel": True}, 1, "sequence_parallel needs tensor_model_parallel_size > 1"),
         ({"pipeline_model_parallel_size": 4}, 4, "2 microbatches per step"),  # 16 / 8: fewer than PP
         ({"context_parallel_size": 2}, 2, "needs Transformer Engine attention"),
+        ({"pipeline_model_parallel_size": 2, "detach_feedback": True}, 2, "not supported with pipeline parallelism"),
     ],
 )
 def test_parallel_layouts_the_run_cannot_use(flags, world, message):
     r = load_recipe(str(RECIPES / "tiny_cpu.yaml"))
     for name, value in flags.items():
-        setattr(r.parallel, name, value)
+        if name == "detach_feedback":
+            r.model_overrides[name] = value
+        else:
+            setattr(r.parallel, name, value)
     with pytest.raises(RecipeError, match=message):
         r.validate(world_size=world)
 

@@ -16,7 +16,7 @@ For k = 1 this is megatron-core's plain 1F1B schedule.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -53,8 +53,20 @@ def _unwrap(model):
     return model.module if hasattr(model, "module") else model
 
 
-def _microbatch_report(losses: List[torch.Tensor], deltas: List[torch.Tensor]) -> dict:
-    report = {"pass_losses": torch.stack(losses).float()}
+def _loss_tokens(config, loss_mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """Under CP each rank holds part of every sequence: the microbatch's loss tokens over all of
+    them, so that a rank's loss is its share of the microbatch mean (None without CP)."""
+    if config.context_parallel_size == 1:
+        return None
+    count = loss_mask.sum().float()
+    torch.distributed.all_reduce(count, group=parallel_state.get_context_parallel_group())
+    return count
+
+
+def _microbatch_report(config, losses: List[torch.Tensor], deltas: List[torch.Tensor]) -> dict:
+    """Per-pass losses (a CP rank's share × cp, so that the mean over CP ranks is the microbatch's
+    loss) and state deltas, for logging."""
+    report = {"pass_losses": torch.stack(losses).float() * config.context_parallel_size}
     if deltas:
         report["state_deltas"] = torch.stack(deltas).float()
     return report
@@ -63,8 +75,12 @@ def _microbatch_report(losses: List[torch.Tensor], deltas: List[torch.Tensor]) -
 def _whole_model_step(num_passes: int, measure_deltas: bool, data_iterator, model):
     """PP = 1: all k passes of one microbatch."""
     _, _, batch = next(data_iterator)
-    out = multi_pass_loss(_unwrap(model), batch["tokens"], batch["labels"], batch["loss_mask"], num_passes, batch["seeds"])
-    report = _microbatch_report(out.pass_losses, out.state_deltas if measure_deltas else [])
+    module = _unwrap(model)
+    out = multi_pass_loss(
+        module, batch["tokens"], batch["labels"], batch["loss_mask"], num_passes, batch["seeds"],
+        num_tokens=_loss_tokens(module.config, batch["loss_mask"]),
+    )
+    report = _microbatch_report(module.config, out.pass_losses, out.state_deltas if measure_deltas else [])
     return out.loss, lambda loss: (loss, report)
 
 
@@ -90,7 +106,7 @@ class _PassChunkStep:
         out, top = run_pass(module, batch["tokens"], labels, j, module.received, feedback_fn)
         if not module.post_process:
             return out, None  # hidden states, sent to the next stage
-        loss = masked_mean(out, batch["loss_mask"])
+        loss = masked_mean(out, batch["loss_mask"], _loss_tokens(self.config, batch["loss_mask"]))
         losses, deltas, previous = self.passes.get(m, ([], [], None))
         losses.append(loss.detach())
         if self.measure_deltas and previous is not None:
@@ -98,7 +114,7 @@ class _PassChunkStep:
         self.passes[m] = (losses, deltas, top.detach() if self.measure_deltas else None)
         if j < self.k:  # s^{(j)} travels on to pass j + 1, carrying L_j's gradient
             return _AttachLoss.apply(top, loss, self.loss_gradient_scale(j, loss.device)), None
-        report = _microbatch_report(*self.passes.pop(m)[:2])
+        report = _microbatch_report(self.config, *self.passes.pop(m)[:2])
         return loss, lambda loss: (self.weights[-1] * loss, report)
 
 
@@ -117,8 +133,7 @@ def forward_backward(
     if pp == 1:
         step = lambda it, model: _whole_model_step(num_passes, measure_deltas, it, model)  # noqa: E731
         return schedules.forward_backward_no_pipelining(forward_step_func=step, data_iterator=tagged(1), model=[ddp], **common)
-    if config.detach_feedback:
-        raise ValueError("detach_feedback (an ablation) is not supported with pipeline parallelism")
+    assert not config.detach_feedback, "detach_feedback (an ablation) is not supported with pipeline parallelism"
     step = _PassChunkStep(config, num_passes, len(batches), measure_deltas)
     config.batch_p2p_comm = pp > 2  # batched p2p pairs wrongly on the PP=2 ring (prev = next rank)
     if num_passes == 1:

@@ -1,6 +1,8 @@
 """Worker of the sequence-layout test: every rank holds its SP/CP rows of one random [s, b, h]
 state; the distributed shift must equal the whole-sequence right shift at those rows, and its
-backward must give every row the gradient the whole-sequence computation gives it."""
+backward must give every row the gradient the whole-sequence computation gives it. Under CP the
+ranks' loss shares (their token losses over the loss tokens of whole sequences) must add up to
+the whole sequences' masked mean."""
 
 import argparse
 import sys
@@ -18,7 +20,11 @@ def main():
 
     import torch.distributed as dist
 
+    from megatron.core import parallel_state
+
     from fbt_megatron import platform
+    from fbt_megatron.fbt import masked_mean
+    from fbt_megatron.parallel.pipeline import _loss_tokens
     from fbt_megatron.parallel.sequence import sequence_layout
 
     platform.init_distributed(args.tp, context_parallel_size=args.cp)
@@ -41,6 +47,16 @@ def main():
     covered[layout.positions] = 1
     dist.all_reduce(covered)
     ok = value_error == 0 and grad_error == 0 and bool((covered == 1).all())  # every position on one rank
+
+    token_loss, loss_mask = torch.rand(3, args.seq, generator=g), torch.rand(3, args.seq, generator=g) > 0.3
+    if args.cp > 1:  # [b, s] batches are split along s by CP (not by SP)
+        cp_only = sequence_layout(SimpleNamespace(sequence_parallel=False, context_parallel_size=args.cp), args.seq)
+        columns = cp_only.positions
+        share = masked_mean(token_loss[:, columns], loss_mask[:, columns], _loss_tokens(config, loss_mask[:, columns]))
+        dist.all_reduce(share, group=parallel_state.get_context_parallel_group())
+        loss_error = (share - masked_mean(token_loss, loss_mask)).abs().item()
+        print(f"rank {dist.get_rank()}: CP loss shares add up to the mean within {loss_error:.1e}", flush=True)
+        ok = ok and loss_error < 1e-6
     print(f"rank {dist.get_rank()}: rows {layout.positions.tolist()} value error {value_error} grad error {grad_error}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
