@@ -181,6 +181,19 @@ def free():
 
 
 # ---------------------------------------------------------------- 2. TE vs local, FP32 / BF16 / FP8
+def compare(label, model, batch, reference, against):
+    """The k-pass losses and gradients of ``model`` for k = 1..3 against ``reference`` (k → (losses,
+    grads)); prints each k and returns (results, worst loss difference, worst gradient difference)."""
+    results, worst_loss, worst_grad = {}, 0.0, 0.0
+    for k in KS:
+        results[k] = losses, grads = losses_and_grads(model, batch, k)
+        ld = max(rel(a, b) for a, b in zip(losses, reference[k][0]))
+        gd, name = grad_diff(grads, reference[k][1])
+        worst_loss, worst_grad = max(worst_loss, ld), max(worst_grad, gd)
+        print(f"{label:4s} k={k}: TE {fmt(losses)} | {against} {fmt(reference[k][0])} | loss rel {ld:.1e} | grad rel {gd:.1e} ({name})")
+    return results, worst_loss, worst_grad
+
+
 def equivalence():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -199,12 +212,7 @@ def equivalence():
           f"{batch['tokens'].shape[0]}x{SMALL['seq_length']} tokens")
     te = build(True, **SMALL)
     record("FP32: weights local -> TE spec", f"{copy_weights(weights, te)} tensors equal", "all parameters", True)
-    worst_loss, worst_grad = 0.0, 0.0
-    for k in KS:
-        losses, grads = losses_and_grads(te, batch, k)
-        ld, (gd, name) = max(rel(a, b) for a, b in zip(losses, ref[k][0])), grad_diff(grads, ref[k][1])
-        worst_loss, worst_grad = max(worst_loss, ld), max(worst_grad, gd)
-        print(f"fp32 k={k}: TE {fmt(losses)} | local {fmt(ref[k][0])} | loss rel {ld:.1e} | grad rel {gd:.1e} ({name})")
+    _, worst_loss, worst_grad = compare("fp32", te, batch, ref, "local")
     record("FP32 TE vs local: per-pass loss, k=1..3", f"{worst_loss:.1e}", f"< {TOL['fp32 loss']:.0e} rel", worst_loss < TOL["fp32 loss"])
     record("FP32 TE vs local: gradients, k=1..3", f"{worst_grad:.1e}", f"< {TOL['fp32 grad']:.0e} rel (max-norm)", worst_grad < TOL["fp32 grad"])
     del te
@@ -212,13 +220,7 @@ def equivalence():
 
     te16 = build(True, **SMALL, **BF16)
     copy_weights(weights, te16)
-    bf16, worst_loss, worst_grad = {}, 0.0, 0.0
-    for k in KS:
-        bf16[k] = losses_and_grads(te16, batch, k)
-        ld = max(rel(a, b) for a, b in zip(bf16[k][0], ref[k][0]))
-        gd, _ = grad_diff(bf16[k][1], ref[k][1])
-        worst_loss, worst_grad = max(worst_loss, ld), max(worst_grad, gd)
-        print(f"bf16 k={k}: TE {fmt(bf16[k][0])} | fp32 local {fmt(ref[k][0])} | loss rel {ld:.1e} | grad rel {gd:.1e}")
+    bf16, worst_loss, worst_grad = compare("bf16", te16, batch, ref, "fp32 local")
     record("BF16 TE vs FP32 local: per-pass loss, k=1..3", f"{worst_loss:.1e}", f"< {TOL['bf16 loss']:.0e} rel", worst_loss < TOL["bf16 loss"])
     record("BF16 TE vs FP32 local: gradients, k=1..3", f"{worst_grad:.1e}")
     del te16
@@ -237,12 +239,7 @@ def equivalence():
     )
     for _ in range(2):  # calibrate the delayed-scaling amax history (weights do not change)
         train_step(te8, batch, 3)
-    worst_loss, worst_grad = 0.0, 0.0
-    for k in KS:
-        losses, grads = losses_and_grads(te8, batch, k)
-        ld, (gd, _) = max(rel(a, b) for a, b in zip(losses, bf16[k][0])), grad_diff(grads, bf16[k][1])
-        worst_loss, worst_grad = max(worst_loss, ld), max(worst_grad, gd)
-        print(f"fp8  k={k}: TE {fmt(losses)} | bf16 TE {fmt(bf16[k][0])} | loss rel {ld:.1e} | grad rel {gd:.1e}")
+    _, worst_loss, worst_grad = compare("fp8", te8, batch, bf16, "bf16 TE")
     hook.remove()
     record("FP8: TE linears run inside fp8_autocast", str(bool(in_fp8) and all(in_fp8)), "True", bool(in_fp8) and all(in_fp8))
     record("FP8 TE vs BF16 TE: per-pass loss, k=1..3", f"{worst_loss:.1e}", f"< {TOL['fp8 loss']:.0e} rel", worst_loss < TOL["fp8 loss"])
