@@ -130,6 +130,7 @@ def make_config(preset: str, **overrides) -> FBTConfig:
     fields = {**_COMMON, **PRESETS[preset], **overrides}
     fields.setdefault("params_dtype", torch.float32)
     fields.setdefault("pipeline_dtype", fields["params_dtype"])  # what stages send each other
-    # CPU: initialise full weights then split them, so every parallel layout starts identical
+    # CPU: initialise full weights then split them, so every TP layout starts identical (PP changes
+    # the order layers are initialised in: compare PP layouts from a seed checkpoint)
     fields.setdefault("use_cpu_initialization", not platform.on_gpu())
     return FBTConfig(**fields)

@@ -91,6 +91,7 @@ class _PassChunkStep:
         self.config, self.k, self.m, self.measure_deltas = config, num_passes, num_microbatches, measure_deltas
         self.weights = pass_weights(config, num_passes)
         self.passes = {}  # microbatch → (losses, deltas, last top state) on the last stage
+        self.loss_tokens = {}  # microbatch → its loss tokens over whole sequences (CP), counted once
 
     def loss_gradient_scale(self, j: int, device) -> torch.Tensor:
         """∂(step loss)/∂L_j as the schedule would apply it: w_j · cp / M, times the loss scale."""
@@ -106,7 +107,9 @@ class _PassChunkStep:
         out, top = run_pass(module, batch["tokens"], labels, j, module.received, feedback_fn)
         if not module.post_process:
             return out, None  # hidden states, sent to the next stage
-        loss = masked_mean(out, batch["loss_mask"], _loss_tokens(self.config, batch["loss_mask"]))
+        if m not in self.loss_tokens:
+            self.loss_tokens[m] = _loss_tokens(self.config, batch["loss_mask"])
+        loss = masked_mean(out, batch["loss_mask"], self.loss_tokens[m])
         losses, deltas, previous = self.passes.get(m, ([], [], None))
         losses.append(loss.detach())
         if self.measure_deltas and previous is not None:
