@@ -3,8 +3,9 @@
 Runs alone (one process) or under ``torchrun``/``srun``. Overrides use Megatron-LM's argument
 names (``--train-iters 200 --micro-batch-size 4 --tensor-model-parallel-size 2 --save runs/x``).
 The step, top to bottom: pick k for this step (the pass schedule) → run megatron-core's
-forward-backward schedule over the microbatches, each doing k passes (``fbt.multi_pass_loss``)
-→ reduce gradients (DDP) → optimizer step → learning-rate step → log / validate / checkpoint.
+forward-backward schedule over the microbatches, each doing k passes (``parallel.pipeline``: all
+passes in one forward step at PP = 1, passes as virtual pipeline chunks at PP > 1) → reduce
+gradients (DDP) → optimizer step → learning-rate step → log / validate / checkpoint.
 """
 
 from __future__ import annotations
