@@ -55,6 +55,9 @@ class FBTConfig(TransformerConfig):
     """Ablation only: stop gradients at the carried state (truncated backprop through passes)."""
     recompute_passes: bool = False
     """Pass-level activation checkpointing: keep each pass's input, recompute the pass in backward."""
+    offload_recompute_inputs: bool = False
+    """Keep what activation recompute saves (pass inputs; layer inputs under full recompute) in
+    pinned host memory from forward to backward (``fbt_megatron.offload``)."""
 
     def __post_init__(self):
         if self.depth_scale is None:
@@ -70,6 +73,12 @@ class FBTConfig(TransformerConfig):
         if not 0.0 < self.prefix_mixin_max_fraction <= 1.0:
             raise ValueError("prefix_mixin_max_fraction must be in (0, 1]")
         super().__post_init__()
+        full_uniform = self.recompute_granularity == "full" and self.recompute_method == "uniform"
+        if self.offload_recompute_inputs and not (self.recompute_passes or full_uniform):
+            raise ValueError(
+                "offload_recompute_inputs moves the inputs of recomputed regions: it needs recompute_passes, "
+                "or recompute_granularity 'full' with recompute_method 'uniform'"
+            )
 
 
 # Presets: the paper's architecture at two sizes. Fields not listed take FBTConfig's defaults.

@@ -20,6 +20,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from fbt_megatron.offload import offloading
 from fbt_megatron.parallel.sequence import WHOLE_SEQUENCE, SequenceLayout, sequence_layout
 
 
@@ -161,7 +162,7 @@ def run_pass(model, tokens, labels, pass_index: int, received: Optional[torch.Te
     ``received`` is what the stage gets from upstream: on the first stage the previous pass's top
     states s^{(j−1)} (None in pass 1), fused with the embeddings by eq. F4; on later stages the
     previous stage's hidden states. With ``recompute_passes`` only these inputs (and e_t) are kept
-    and the pass is recomputed in backward."""
+    (in host memory with ``offload_recompute_inputs``) and the pass is recomputed in backward."""
     embeddings = model.embed(tokens) if model.pre_process else None  # e_t
 
     def forward(embeddings, labels, received):
@@ -171,7 +172,10 @@ def run_pass(model, tokens, labels, pass_index: int, received: Optional[torch.Te
         return model(tokens, labels=labels, feedback=feedback, embeddings=embeddings)
 
     if model.config.recompute_passes:
-        return tensor_parallel.checkpoint(forward, False, embeddings, labels, received)
+        # e_t and s^{(j−1)} wait for backward in host memory; a pipeline schedule keeps what it received
+        held = (received,) if model.config.pipeline_model_parallel_size > 1 else ()
+        with offloading(model.config, recomputed=True, keep=held):
+            return tensor_parallel.checkpoint(forward, False, embeddings, labels, received)
     return forward(embeddings, labels, received)
 
 

@@ -35,6 +35,7 @@ from fbt_megatron.layers import (
     HeadwiseGatedSelfAttentionSubmodules,
     RMSNorm,
 )
+from fbt_megatron.offload import offloading
 
 
 @dataclass
@@ -174,7 +175,9 @@ class FBTModel(GPTModel):
         decoder_input, rotary_pos_emb, *_ = self._preprocess(
             input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input
         )
-        hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        # under full recompute the decoder keeps only each layer's input: in host memory if offloaded
+        with offloading(self.config, recomputed=self.config.recompute_granularity == "full"):
+            hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         if not self.post_process:
             return hidden, None
         normed = self.final_layernorm(hidden)

@@ -131,6 +131,9 @@ RECOMPUTE = {
         recompute_passes=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
     ),
 }
+OFFLOAD = dict(offload_recompute_inputs=True, min_offloaded_tensor_size=0)
+for _name in ("pass_level", "megatron_full", "pass_level_and_megatron_full"):
+    RECOMPUTE[_name + "_offloaded"] = {**RECOMPUTE[_name], **OFFLOAD}
 
 
 @pytest.mark.parametrize("recompute", sorted(RECOMPUTE))

@@ -22,6 +22,8 @@ RECOMPUTE = {
     "none": {},
     "passes": {"recompute_passes": True},
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective"},  # megatron-core's core-attention recompute
+    "offload": {"recompute_passes": True, "offload_recompute_inputs": True, "min_offloaded_tensor_size": 0},
 }
 SHRINK = [
     "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
