@@ -12,10 +12,13 @@ RATIO_KEYS = {
     "step_time_k3_vs_k1",
     "throughput_vs_no_feedback",
     "throughput_vs_gpt_model",
+    "throughput_vs_gpt_local_spec",
     "activation_memory_k2_vs_k1",
     "activation_memory_k3_vs_k1",
     "activation_memory_k3_vs_k1_recompute",
     "recompute_time_k3",
+    "offload_memory_k3",
+    "offload_time_k3",
 }
 
 

@@ -6,10 +6,15 @@
 One run measures, side by side (forward + backward of one microbatch, model only, no optimizer):
   * step time of the k-pass step, k = 2 and 3 against k = 1 (goal: no cost beyond the extra passes);
   * throughput of FBT at k = 1 against (a) ``FBTModel`` built with ``latent_feedback=False`` (the
-    FBT machinery's own overhead) and (b) megatron-core's ``GPTModel`` with its local layer spec
-    of the same shape (this one includes the FBT backbone's extra sandwich norms and head gates);
+    FBT machinery's own overhead), (b) megatron-core's ``GPTModel`` built from FBT's layer spec (the
+    same network without FBT, through megatron-core's own model) and (c) ``GPTModel`` with its
+    local layer spec of the same shape (information: this also prices the paper's backbone, whose
+    layers add sandwich norms and head gates);
   * peak activation memory of k = 3 against k = 1, without and with pass-level recompute
-    (``recompute_passes``), and the step-time price of that recompute.
+    (``recompute_passes``), and the step-time price of that recompute;
+  * at k = 3 with megatron-core's full recompute, the activations left on the device when the
+    layer inputs are offloaded to host memory (``offload_recompute_inputs``) against kept, and
+    the step-time price of the copies (on a CPU-only machine a memory copy, not PCIe).
 Times are medians over interleaved repeats; it prints the ratios with their goals (PASS/MISS) and
 always exits 0 (it is a report). Bad flags: one ``error:`` line and exit code 2.
 """
@@ -47,7 +52,10 @@ VARIANTS = {
     "fbt_k3": ("fbt", 3),
     "fbt_k1_recompute": ("fbt_recompute", 1),
     "fbt_k3_recompute": ("fbt_recompute", 3),
+    "fbt_k3_full": ("fbt_full", 3),
+    "fbt_k3_full_offload": ("fbt_full_offload", 3),
     "no_feedback": ("no_feedback", 1),
+    "gpt_fbt_layers": ("gpt_fbt_layers", 1),
     "gpt": ("gpt", 1),
 }
 DESCRIPTIONS = {
@@ -56,7 +64,10 @@ DESCRIPTIONS = {
     "fbt_k3": "FBT, k=3",
     "fbt_k1_recompute": "FBT, k=1, recompute_passes",
     "fbt_k3_recompute": "FBT, k=3, recompute_passes",
+    "fbt_k3_full": "FBT, k=3, full recompute",
+    "fbt_k3_full_offload": "FBT, k=3, full recompute, offloaded",
     "no_feedback": "FBTModel(latent_feedback=False)",
+    "gpt_fbt_layers": "megatron-core GPTModel, FBT's layers",
     "gpt": "megatron-core GPTModel, local spec",
 }
 
@@ -86,17 +97,25 @@ RATIOS = [
     Ratio("step_time_k3_vs_k1", "step time, k=3 / k=1", "time", "fbt_k3", "fbt_k1", ("<=", 3.06)),
     Ratio("throughput_vs_no_feedback", "throughput, FBT k=1 / FBTModel(latent_feedback=False)", "throughput",
           "fbt_k1", "no_feedback", (">=", 0.99)),
-    Ratio("throughput_vs_gpt_model", "throughput, FBT k=1 / megatron-core GPTModel (*)", "throughput",
-          "fbt_k1", "gpt", (">=", 0.99)),
+    Ratio("throughput_vs_gpt_model", "throughput, FBT k=1 / megatron-core GPTModel, FBT's layers", "throughput",
+          "fbt_k1", "gpt_fbt_layers", (">=", 0.99)),
+    Ratio("throughput_vs_gpt_local_spec", "throughput, FBT k=1 / megatron-core GPTModel, local spec (*)",
+          "throughput", "fbt_k1", "gpt"),
     Ratio("activation_memory_k2_vs_k1", "peak activations, k=2 / k=1 (sanity check)", "memory",
           "fbt_k2", "fbt_k1", ("≈", 2.0)),
     Ratio("activation_memory_k3_vs_k1", "peak activations, k=3 / k=1", "memory", "fbt_k3", "fbt_k1"),
     Ratio("activation_memory_k3_vs_k1_recompute", "peak activations, k=3 / k=1, both recompute_passes", "memory",
           "fbt_k3_recompute", "fbt_k1_recompute", ("<=", 1.3)),
     Ratio("recompute_time_k3", "step time, k=3, recompute_passes / without", "time", "fbt_k3_recompute", "fbt_k3"),
+    Ratio("offload_memory_k3", "device activations, k=3 full recompute, offloaded / kept (**)", "memory",
+          "fbt_k3_full_offload", "fbt_k3_full"),
+    Ratio("offload_time_k3", "step time, k=3 full recompute, offloaded / kept", "time", "fbt_k3_full_offload",
+          "fbt_k3_full"),
 ]
-ARCHITECTURE_NOTE = ("(*) includes the architecture's own cost: every FBT layer adds two sandwich RMSNorms and a "
-                     "headwise attention gate that the plain GPTModel lacks; the row above isolates the FBT machinery.")
+ARCHITECTURE_NOTE = ("(*) the paper's backbone against megatron-core's standard layer: every FBT layer adds two "
+                     "sandwich RMSNorms and a headwise attention gate; the two rows above price the FBT machinery.\n"
+                     "(**) offloaded tensors sit in host memory and are not counted; every layer input is offloaded here "
+                     "(min_offloaded_tensor_size 0).")
 
 
 # ---------------------------------------------------------------- command line
@@ -164,13 +183,15 @@ def shape_overrides(args) -> dict:
 
 # ---------------------------------------------------------------- models and steps
 def build_models(args, shape: dict) -> Dict[str, torch.nn.Module]:
-    """The FBT model (plain and with pass-level recompute), the no-feedback FBTModel and
-    megatron-core's GPTModel with its local spec, all of the same shape, in training mode."""
+    """The FBT model (plain, with pass-level recompute, with full recompute with and without
+    offloading), the no-feedback FBTModel and megatron-core's GPTModel with FBT's layers and with
+    its local spec, all of the same shape, in training mode."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from fbt_megatron.config import make_config
-    from fbt_megatron.model import FBTModel
+    from fbt_megatron.model import FBTModel, fbt_model_spec
 
     def seeded(make):
         torch.manual_seed(args.seed)
@@ -180,18 +201,26 @@ def build_models(args, shape: dict) -> Dict[str, torch.nn.Module]:
         return seeded(lambda: FBTModel(make_config(args.preset, **shape, **overrides)))
 
     gpt_config = make_config(args.preset, **shape)  # FBT-only fields are unused by GPTModel
-    gpt = seeded(lambda: GPTModel(
-        config=gpt_config,
-        # without Apex/TE the local spec's RMSNorm is torch.nn.RMSNorm (megatron's WrappedTorchNorm)
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization=gpt_config.normalization),
-        vocab_size=gpt_config.vocab_size,
-        max_sequence_length=gpt_config.seq_length,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="rope",
-        rotary_base=gpt_config.rotary_base,
-    ))
-    return {"fbt": fbt(), "fbt_recompute": fbt(recompute_passes=True), "no_feedback": fbt(latent_feedback=False),
-            "gpt": gpt}
+
+    def gpt(layers):
+        return seeded(lambda: GPTModel(
+            config=gpt_config,
+            transformer_layer_spec=layers,
+            vocab_size=gpt_config.vocab_size,
+            max_sequence_length=gpt_config.seq_length,
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="rope",
+            rotary_base=gpt_config.rotary_base,
+        ))
+
+    spec = fbt_model_spec(gpt_config)
+    fbt_layers = TransformerBlockSubmodules([spec.decoder_layer] * gpt_config.num_layers, layer_norm=spec.final_layernorm)
+    # without Apex/TE the local spec's RMSNorm is torch.nn.RMSNorm (megatron's WrappedTorchNorm)
+    local = get_gpt_layer_local_spec(qk_layernorm=True, normalization=gpt_config.normalization)
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {"fbt": fbt(), "fbt_recompute": fbt(recompute_passes=True), "fbt_full": fbt(**full),
+            "fbt_full_offload": fbt(**full, offload_recompute_inputs=True, min_offloaded_tensor_size=0),
+            "no_feedback": fbt(latent_feedback=False), "gpt_fbt_layers": gpt(fbt_layers), "gpt": gpt(local)}
 
 
 @dataclass
@@ -386,9 +415,10 @@ def format_report(results: dict) -> str:
         rate = "–" if seconds is None else f"{results['tokens_per_second'][name]:,.0f}"
         mib = "–" if peak is None else f"{peak / 2**20:.2f}"
         lines.append(f"{DESCRIPTIONS[name]:<36} {step_ms:>9} {rate:>10} {mib:>21}")
-    lines += ["", f"{'ratio':<58} {'measured':>8}  {'goal':<8} result"]
+    width = max(len(r["label"]) for r in results["ratios"].values())
+    lines += ["", f"{'ratio':<{width}} {'measured':>8}  {'goal':<8} result"]
     for r in results["ratios"].values():
-        lines.append(f"{r['label']:<58} {r['value']:>8.3f}  {r['goal'] or '–':<8} {r['status']}")
+        lines.append(f"{r['label']:<{width}} {r['value']:>8.3f}  {r['goal'] or '–':<8} {r['status']}")
     lines += ["", ARCHITECTURE_NOTE]
     extra = results["fusion_to_backbone_weights"]
     lines.append(f"The fusion's 2·D² weights are {extra:.1%} of the backbone's: a fused pass does up to {extra:.1%} "

@@ -4,10 +4,12 @@
 2. the Transformer Engine spec against the local spec with the same weights: per-pass losses and
    gradients of the k-pass step, k = 1, 2, 3, in FP32 (TF32 off); then BF16 and FP8 (delayed scaling);
 3. fbt-1b throughput, MFU and peak memory in BF16 for k = 1, 2, 3 and k = 3 with recompute_passes;
+   then at long context (32K), k = 3, the recompute inputs kept on the GPU against offloaded to host
+   memory (offload_recompute_inputs): peak memory, tokens/s, and the same losses;
 4. with 2+ GPUs: TP=2 and CP=2 against 1 GPU through the training entry point (NCCL);
 5. a summary table. Exit code: 0 all passed, 1 a check failed, 2 no CUDA / no Transformer Engine.
 
-    tools/gpu_check.sh [--skip-perf] [--skip-multi-gpu] [--perf-seq-length 4096]
+    tools/gpu_check.sh [--skip-perf] [--skip-multi-gpu] [--perf-seq-length 4096] [--offload-seq-length 32768]
 """
 
 from __future__ import annotations
@@ -320,6 +322,52 @@ def performance(seq, micro_batch, steps):
     free()
 
 
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+OFFLOAD_SETUPS = {  # the long-context k = 3 budget: what recompute keeps, on the GPU or in host memory
+    "recompute_passes + full": dict(recompute_passes=True, **FULL_RECOMPUTE),
+    "full": FULL_RECOMPUTE,
+}
+
+
+def offloading(seq, steps):
+    """fbt-1b, BF16 TE, k = 3 at sequence ``seq``: each recompute setup with its inputs kept on the GPU
+    and offloaded to pinned host memory; peak memory, tokens/s, and the losses (which must not change)."""
+    print(f"\n== fbt-1b, BF16, Transformer Engine, k=3, micro batch 1 x seq {seq}: recompute inputs kept vs offloaded")
+    for name, setup in OFFLOAD_SETUPS.items():
+        measured = {}
+        for offload in (False, True):
+            free()
+            model = build(True, "fbt-1b", seq_length=seq, offload_recompute_inputs=offload, **setup, **BF16)
+            batch = make_batch(model.config.vocab_size, seq, 1)
+            label = f"k=3 seq {seq} {name}{', offloaded' if offload else ''}"
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                losses = [x.item() for x in train_step(model, batch, 3).pass_losses]  # also the warm-up
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    train_step(model, batch, 3)
+                torch.cuda.synchronize()
+            except torch.cuda.OutOfMemoryError:
+                print(f"{label}: out of memory")
+                record(f"fbt-1b {label}", "OOM")
+                del model, batch
+                continue
+            t = (time.perf_counter() - start) / steps
+            mem = torch.cuda.max_memory_allocated() / 2**30
+            measured[offload] = losses, t, mem
+            print(f"{label}: {t * 1e3:.0f} ms/step (mean of {steps}), {seq / t:,.0f} tokens/s, peak memory {mem:.1f} GiB, "
+                  f"losses {fmt(losses)}")
+            del model, batch
+        if len(measured) == 2:
+            (l0, t0, m0), (l1, t1, m1) = measured[False], measured[True]
+            diff = max(rel(a, b) for a, b in zip(l1, l0))
+            record(f"offload, {name}: losses offloaded vs kept", f"{diff:.1e}", "< 1e-6 rel", diff < 1e-6)
+            record(f"offload, {name}: peak memory offloaded / kept", f"{m1:.1f} / {m0:.1f} GiB = {m1 / m0:.2f}", "< 1", m1 < m0)
+            record(f"offload, {name}: step time offloaded / kept", f"{t1 / t0:.3f}")
+    free()
+
+
 # ---------------------------------------------------------------- 4. multi-GPU
 def launch(cmd, log: Path, timeout: int):
     print("$ " + " ".join(shlex.quote(str(x)) for x in cmd), flush=True)
@@ -408,6 +456,7 @@ def main(argv=None) -> int:
     parser.add_argument("--perf-seq-length", type=int, default=4096)
     parser.add_argument("--perf-micro-batch-size", type=int, default=1)
     parser.add_argument("--perf-steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
+    parser.add_argument("--offload-seq-length", type=int, default=32768, help="sequence of the offloading comparison")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs", help="a new gpu_check-* folder here holds the TP runs")
     args = parser.parse_args(argv)
 
@@ -424,6 +473,7 @@ def main(argv=None) -> int:
         record("fbt-1b performance", "skipped (--skip-perf)", "-", "SKIP")
     else:
         guarded("fbt-1b performance", performance, args.perf_seq_length, args.perf_micro_batch_size, args.perf_steps)
+        guarded("offloading recompute inputs", offloading, args.offload_seq_length, 3)
     if args.skip_multi_gpu:
         record("multi-GPU", "skipped (--skip-multi-gpu)", "-", "SKIP")
     else:
