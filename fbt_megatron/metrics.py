@@ -20,11 +20,12 @@ def read_metrics(folder) -> list:
 
 
 class MetricsLogger:
-    def __init__(self, folder: Optional[str], tensorboard: bool = True, resume_from: int = 0, stdout: bool = True):
-        """``folder`` None: this rank does not log. ``resume_from``: the step the run resumes at."""
-        self.active, self.stdout = folder is not None, stdout
+    def __init__(self, folder: Optional[str], active: bool = True, tensorboard: bool = True, resume_from: int = 0):
+        """``active`` False: this rank does not log. ``folder`` None: stdout only (no metrics file or
+        TensorBoard). ``resume_from``: the step the run resumes at."""
+        self.active = active
         self.file = self.writer = None
-        if folder is None:
+        if folder is None or not active:
             return
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -39,7 +40,7 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(folder / "tensorboard"), purge_step=resume_from + 1 if resume_from else None)
 
     def log(self, record: dict) -> None:
-        if self.active and self.stdout:
+        if self.active:
             print(format_record(record), flush=True)
         if self.file:
             self.file.write(json.dumps(record) + "\n")

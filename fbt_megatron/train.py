@@ -318,7 +318,7 @@ def train(recipe: Recipe) -> List[dict]:
         return []
 
     is_logger = rank == dist.get_world_size() - 1  # last pipeline stage: it has the losses
-    logger = MetricsLogger(c.save if is_logger else None, tensorboard=c.tensorboard, resume_from=state.iteration)
+    logger = MetricsLogger(c.save, active=is_logger, tensorboard=c.tensorboard, resume_from=state.iteration)
     if is_logger:
         print(
             f"fbt-megatron: {recipe.model.preset} ({sum(p.numel() for p in model.parameters()):,} params on this rank), "
