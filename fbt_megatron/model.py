@@ -176,7 +176,9 @@ class FBTModel(GPTModel):
             input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input
         )
         # under full recompute the decoder keeps only each layer's input: in host memory if offloaded
-        with offloading(self.config, recomputed=self.config.recompute_granularity == "full"):
+        # (but for what a pipeline stage received, which the schedule holds until backward anyway)
+        held = () if self.pre_process else (hidden_states,)
+        with offloading(self.config, recomputed=self.config.recompute_granularity == "full", keep=held):
             hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         if not self.post_process:
             return hidden, None

@@ -1,8 +1,8 @@
 """Every parallel layout computes what one process computes (real gloo processes, fp32).
 
 * The equivalence matrix: for each layout, k ∈ {1, 2, 3} and recompute off / pass-level /
-  megatron-core full / megatron-core selective / pass-level with its inputs offloaded to host
-  memory, the per-pass losses of two steps, the first step's reduced gradients and the
+  megatron-core full / megatron-core selective / pass-level and full with their inputs offloaded
+  to host memory, the per-pass losses of two steps, the first step's reduced gradients and the
   weights after the second step equal the single-process run's within 1e-5 relative.
 * The SP/CP shift of the carried state equals the whole-sequence shift, values and gradients.
 * The entry point under torchrun logs the same losses at every layout, and checkpoints move
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import equivalence
+from fbt_megatron.config import PRESETS
 from fbt_megatron.fbt import PassSchedule
 from fbt_megatron.metrics import read_metrics
 from helpers import launch
@@ -57,6 +58,7 @@ def runs(small_corpus, tmp_path_factory):
     """The single-process reference run; it also writes the seed checkpoint."""
     runs = Runs(tmp_path_factory.mktemp("equivalence"), small_corpus)
     runs.run("single", 1, "--create-seed")
+    check_offloaded_bytes(runs.root / "single", 1, [])
     return runs
 
 
@@ -79,11 +81,36 @@ def test_layout_equals_single_process(layout, runs):
     result = equivalence.compare(runs.root / "single", runs.run(layout, nproc, *flags))
     for trial, worst in sorted(result.items()):
         print(f"{layout:20s} {trial:9s} " + "  ".join(f"{kind} {value:.1e}" for kind, value in worst.items()))
-    assert len(result) == 15  # 5 recompute modes × k = 1, 2, 3
+    assert len(result) == 18  # 6 recompute modes × k = 1, 2, 3
     assert all(value <= TOLERANCE for worst in result.values() for value in worst.values()), result
     if "--overlap-grad-reduce" in flags:  # every bucket's reduction started inside the backward
         launches = json.loads((runs.root / layout / "overlap.json").read_text())
         assert all(starts and all(starts) for starts in launches.values()), launches
+    check_offloaded_bytes(runs.root / layout, nproc, flags)
+
+
+def flag(flags, name, default=1):
+    return int(flags[flags.index(name) + 1]) if name in flags else default
+
+
+def check_offloaded_bytes(folder: Path, nproc: int, flags: list):
+    """Every rank offloaded exactly the recompute inputs that wait on its device: pass-level, e_t of
+    every pass on the first stage and s^{(j−1)} unless a pipeline schedule holds it; full, every
+    layer's input but a later stage's received one (also held by the schedule); nothing otherwise."""
+    tp, pp = flag(flags, "--tensor-model-parallel-size"), flag(flags, "--pipeline-model-parallel-size")
+    rows = 64 // tp if "--sequence-parallel" in flags else 64  # the worker's --seq-length 64
+    microbatches = 8 // (2 * (nproc // (tp * pp)))  # global batch 8, micro batch 2, per DP rank
+    tensor_bytes = rows * 2 * PRESETS["tiny"]["hidden_size"] * 4  # [rows, micro batch 2, h] fp32
+    for stage in json.loads((folder / "offload.json").read_text()):
+        first = stage["pp_rank"] == 0
+        for trial, got in stage["bytes"].items():
+            mode, k = trial.rsplit("_k", 1)
+            k = int(k)
+            per_microbatch = {
+                "offload": (k + (k - 1 if pp == 1 else 0)) if first else 0,
+                "full_offload": k * (stage["layers"] - (0 if first else 1)),
+            }.get(mode, 0)
+            assert got == 2 * microbatches * per_microbatch * tensor_bytes, (trial, stage)
 
 
 # ---------------------------------------------------------------- the shift across shards

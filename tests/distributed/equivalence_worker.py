@@ -8,6 +8,8 @@ k ∈ {1, 2, 3} runs two optimizer steps of k passes on the same global batches.
   <out>/<mode>_k<k>/grads              the first step's reduced gradients, as a checkpoint
   <out>/<mode>_k<k>/params             the weights after the second step, as a checkpoint
   <out>/overlap.json                   per (mode, k): where the second step's reductions started
+  <out>/offload.json                   per rank: its pipeline stage, layers, and per (mode, k) the bytes
+                                       offloaded to host memory over the two steps
 Checkpoints are megatron-core dist_checkpointing ones, so the test reads every layout's at
 TP=PP=1 and compares tensor by tensor. ``--create-seed`` (one process) writes the seed first.
 """
@@ -24,6 +26,8 @@ RECOMPUTE = {
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     "selective": {"recompute_granularity": "selective"},  # megatron-core's core-attention recompute
     "offload": {"recompute_passes": True, "offload_recompute_inputs": True, "min_offloaded_tensor_size": 0},
+    "full_offload": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
+                     "offload_recompute_inputs": True, "min_offloaded_tensor_size": 0},
 }
 SHRINK = [
     "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
@@ -85,7 +89,10 @@ def main():
 
     import torch.distributed as dist
 
+    from megatron.core import parallel_state
+
     from fbt_megatron import checkpointing, platform, train
+    from fbt_megatron.offload import STATS
 
     recipe = train.parse_args(["--recipe", "recipes/tiny_cpu.yaml", "--data-path", args.corpus, *SHRINK, *overrides])
     t, p = recipe.training, recipe.parallel
@@ -101,7 +108,7 @@ def main():
         (out / "model.json").write_text(json.dumps({"vocab_size": vocab, "seq_length": recipe.data.seq_length, **recipe.model_overrides}))
 
     reporter = dist.get_rank() == dist.get_world_size() - 1  # last stage, last TP and DP rank
-    losses, overlap = {}, {}
+    losses, overlap, offloaded = {}, {}, {}
     base = dict(recipe.model_overrides)
     for mode in args.modes.split(","):
         for k in map(int, args.passes.split(",")):
@@ -110,6 +117,7 @@ def main():
             checkpointing.load(args.seed_checkpoint, model, None, None)
             optimizer, _ = train.build_optimizer(recipe, config, ddp)
             steps, launches = [], record_launches(ddp)
+            STATS.reset()
             for step in range(2):
                 launches.clear()  # keep the second step's: the first learns when to launch
                 ddp.start_step(k)
@@ -122,9 +130,15 @@ def main():
                 optimizer.step()
             save_tensors(model, {n: q.data for n, q in model.named_parameters()}, out / f"{mode}_k{k}" / "params")
             losses[f"{mode}_k{k}"], overlap[f"{mode}_k{k}"] = steps, list(launches)
+            offloaded[f"{mode}_k{k}"] = STATS.bytes
+    ranks = [None] * dist.get_world_size()
+    stage = dict(pp_rank=parallel_state.get_pipeline_model_parallel_rank(), layers=len(model.decoder.layers),
+                 bytes=offloaded)
+    dist.all_gather_object(ranks, stage)
     if reporter:
         (out / "losses.json").write_text(json.dumps(losses))
         (out / "overlap.json").write_text(json.dumps(overlap))
+        (out / "offload.json").write_text(json.dumps(ranks))
     dist.barrier()
     dist.destroy_process_group()
 
