@@ -15,8 +15,8 @@ copy runs on a side stream, and unpacking a region's tensor prefetches the one s
 second CPU tensor: the mechanism and its byte count are exercised, nothing is saved.
 
 Under pipeline parallelism megatron-core's schedule keeps every received tensor until its backward
-anyway, so ``run_pass`` keeps those on the device: there e_t (first stage) and, under full
-recompute, the layer inputs are what moves.
+anyway, so ``fbt.run_pass`` and ``FBTModel.forward`` leave those on the device (``keep``): there
+e_t (first stage) and, under full recompute, the other layers' inputs are what moves.
 
 Why not the other candidates (measured in the session that chose this, see the README):
 DeepSpeed's ``cpu_checkpointing`` empties every floating-point checkpoint input in place
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+
 
 @dataclass
 class OffloadStats:
