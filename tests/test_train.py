@@ -80,6 +80,7 @@ def test_bad_inputs_stop_with_one_line_and_damage_nothing(tmp_path, small_corpus
                                "--tokenizer-model", small_corpus.tokenizer_path],
                               "data file not found: /nowhere/x_text_document.bin"),
         "parallel sizes vs world": (["--tensor-model-parallel-size", "2"], "does not divide the world size 1"),
+        "offloading without recompute": (["--offload-recompute-inputs", "true"], "offload_recompute_inputs moves"),
         "checkpoint of another model": (["--load", str(run), "--num-layers", "2", "--train-iters", "6"],
                                         "is of model"),
         "malicious checkpoint": (["--load", str(broken)], "refusing to load os.system"),
