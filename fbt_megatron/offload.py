@@ -13,6 +13,8 @@ never changes a number: the unpacked tensor is a copy of the saved one. On CUDA 
 copy runs on a side stream, and unpacking a region's tensor prefetches the one saved before it
 (backward unpacks in reverse order) on another stream. On a CPU-only machine the "host" copy is a
 second CPU tensor: the mechanism and its byte count are exercised, nothing is saved.
+(torch's ``save_on_cpu`` is the synchronous form of this, for every saved tensor: here the copies
+overlap compute, and parameters, small tensors and ``keep`` stay.)
 
 Under pipeline parallelism megatron-core's schedule keeps every received tensor until its backward
 anyway, so ``fbt.run_pass`` and ``FBTModel.forward`` leave those on the device (``keep``): there
