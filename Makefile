@@ -11,7 +11,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 .PHONY: setup demo test
 setup: $(VENV)/.installed
 
-# prepare the embedded corpus, train a baseline and an FBT model on CPU, compare them;
+# baselines against FBT models on CPU (language modelling, state tracking), about 11 minutes on 2 cores;
 # longer: make demo DEMO_ARGS="--train-iters 3000 --twice-tokens"
 demo: setup
 	$(ACT) python tools/demo.py $(DEMO_ARGS)

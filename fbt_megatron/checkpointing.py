@@ -7,15 +7,31 @@ A run folder holds Megatron-LM's layout::
     <save>/latest_checkpointed_iteration.txt       the newest one's number (for Megatron tools)
 
 A checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed once every rank has finished, so a
-crash at any moment leaves the previous checkpoints intact; the newest complete ``iter_*``
-folder is the one resumed from. Loading never unpickles arbitrary objects: the torch_dist
-metadata file is checked by a restricted unpickler first, and every other item is read by
-``torch.load(weights_only=True)``.
+crash at any moment leaves the previous checkpoints intact. The one resumed from is the one the
+tracker names (the last one saved: after ``--ckpt-step N`` the later folders of the abandoned
+continuation are not it), else the newest ``iter_*`` folder; ``iteration=N`` (``--ckpt-step N``)
+picks another.
+
+Damage is found before anything is loaded. Each checkpoint folder holds a manifest,
+``files.json``: every file's size and sha256, itself covered by a sha256. Every rank hashes the
+``__{rank}_*.distcp`` files it wrote, rank 0 the common ones (``common.pt``, ``metadata.json``,
+``.metadata``), and rank 0 writes the manifest before the folder is renamed into place. Before
+loading, ``read_train_state`` (one process, before torch.distributed is up) checks the manifest,
+every file's size and the common files' hashes; ``load`` (every rank) also checks the hashes of
+the large files, file i on rank i % world. A damaged checkpoint is one line naming the files and
+the newest older complete checkpoint of the run folder (``--ckpt-step N``). A checkpoint
+without a manifest (written before there was one) gets structural checks: the files and sizes
+the torch_dist metadata lists, and readable common files.
+
+Loading never unpickles arbitrary objects: the torch_dist metadata file is checked by a
+restricted unpickler first, and every other item is read by ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import pickle
 import re
@@ -27,9 +43,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "files.json"
+_MANIFEST_FORMAT = "fbt-megatron checkpoint files"
+_MANIFEST_KEY = "files_manifest"  # in common.pt: this checkpoint was written with a manifest
+_COMMON_FILES = ("common.pt", "metadata.json", ".metadata")  # small: hashed before torch.distributed is up
 _ITER = re.compile(r"^iter_(\d{7})$")
+_RANK_FILE = re.compile(r"^__(\d+)_")  # torch_dist's per-rank data files: __{rank}_{n}.distcp
 # The distributed optimizer's torch-Adam path (no Apex/TE) only supports this format.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -42,13 +64,26 @@ def checkpoint_dir(folder, iteration: int) -> Path:
     return Path(folder) / f"iter_{iteration:07d}"
 
 
-def latest_iteration(folder) -> Optional[int]:
-    """The newest complete checkpoint in a run folder, or None."""
+def iterations(folder) -> list:
+    """The iterations of the checkpoints (``iter_XXXXXXX`` folders) in a run folder, ascending;
+    ``.tmp`` (being written or left by a crash) and ``.old`` (being replaced) folders are not."""
     folder = Path(folder)
     if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if p.is_dir() and (m := _ITER.match(p.name)))
+
+
+def latest_iteration(folder) -> Optional[int]:
+    """The checkpoint a run folder resumes from, or None: the one the tracker names (the last one
+    saved), else the newest."""
+    found = iterations(folder)
+    if not found:
         return None
-    found = [int(m.group(1)) for p in folder.iterdir() if p.is_dir() and (m := _ITER.match(p.name))]
-    return max(found) if found else None
+    try:
+        tracked = int((Path(folder) / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        tracked = None
+    return tracked if tracked in found else found[-1]
 
 
 # ---------------------------------------------------------------- what a checkpoint holds
@@ -111,11 +146,65 @@ def _state(model, optimizer, scheduler, extra: dict, loading: bool) -> dict:
     }
 
 
+# ---------------------------------------------------------------- the manifest
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _body_hash(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _write_manifest(path: Path) -> None:
+    """Collective: every rank hashes the data files it wrote (rank 0 the rest), rank 0 writes the
+    manifest atomically."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def writer(name):
+        m = _RANK_FILE.match(name)
+        return int(m.group(1)) if m and int(m.group(1)) < world else 0
+
+    names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
+    mine = {n: {"size": (path / n).stat().st_size, "sha256": _sha256(path / n)} for n in names if writer(n) == rank}
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if rank == 0:
+        files = {n: d for part in parts for n, d in part.items()}
+        body = {"format": _MANIFEST_FORMAT, "version": 1, "files": dict(sorted(files.items()))}
+        tmp = path / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({**body, "sha256": _body_hash(body)}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / MANIFEST)
+
+
+def _read_manifest(path: Path):
+    """(files: {name: (size, sha256)} or None when there is no manifest, problem or None)."""
+    file = path / MANIFEST
+    if not file.is_file():
+        return None, None
+    try:
+        data = json.loads(file.read_text())
+        body = {k: data[k] for k in ("format", "version", "files")}
+        intact = data["format"] == _MANIFEST_FORMAT and data["sha256"] == _body_hash(body)
+        files = {str(n): (int(d["size"]), str(d["sha256"])) for n, d in data["files"].items()}
+        if any(Path(n).name != n or n in ("", ".", "..") for n in files):
+            raise ValueError("not a file name")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, f"{MANIFEST} is unreadable"
+    if not intact:
+        return None, f"{MANIFEST} content differs from what was saved"
+    return files, None
+
+
 # ---------------------------------------------------------------- save
 def save(folder, iteration: int, model, optimizer, scheduler, extra: dict) -> Path:
     """Write checkpoint ``iteration`` of ``model`` (the unwrapped module) and the training state
-    ``extra`` (plain data) atomically; returns its folder. ``optimizer=None`` writes the weights
-    only (a seed checkpoint)."""
+    ``extra`` (plain data) atomically, with its manifest; returns its folder. ``optimizer=None``
+    writes the weights only (a seed checkpoint). A checkpoint of the same iteration already there
+    (a run resumed from an older one with ``--ckpt-step``) is replaced once the new one is complete."""
     folder = Path(folder)
     final = checkpoint_dir(folder, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -124,7 +213,10 @@ def save(folder, iteration: int, model, optimizer, scheduler, extra: dict) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_state(model, optimizer, scheduler, extra, loading=False), str(tmp))
+    state = _state(model, optimizer, scheduler, extra, loading=False)
+    dist_checkpointing.save({**state, _MANIFEST_KEY: MANIFEST}, str(tmp))
+    dist.barrier()
+    _write_manifest(tmp)
     dist.barrier()
     if rank0:
         if final.exists():  # the same iteration saved again: keep the old one until replaced
@@ -142,7 +234,7 @@ def save(folder, iteration: int, model, optimizer, scheduler, extra: dict) -> Pa
     return final
 
 
-# ---------------------------------------------------------------- load
+# ---------------------------------------------------------------- checks before loading
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits only what torch_dist metadata is made of: checkpoint metadata classes and torch types."""
 
@@ -159,20 +251,145 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _check_safe(path: Path) -> None:
-    """Refuse checkpoint metadata holding anything but checkpoint metadata classes."""
-    meta = path / ".metadata"
-    if not meta.is_file() or not (path / "common.pt").is_file():
-        raise CheckpointError(f"{path} is not a complete torch_dist checkpoint")
+def _torch_dist_metadata(path: Path):
+    """The torch_dist metadata, through the restricted unpickler (CheckpointError: refused)."""
+    with open(path / ".metadata", "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def _size_problem(path: Path, name: str, expected: int) -> Optional[str]:
+    file = path / name
+    if not file.is_file():
+        return f"{name} is missing"
+    size = file.stat().st_size
+    if size < expected:
+        return f"{name} is truncated ({size:,} of {expected:,} bytes)"
+    if size > expected:
+        return f"{name} is longer than saved ({size:,} instead of {expected:,} bytes)"
+    return None
+
+
+def _cheap_problems(path: Path):
+    """What one process finds wrong cheaply: [(file, problem)], and the large files whose hash is
+    still to be checked [(file, sha256)]. Raises CheckpointError for metadata that is unsafe to load."""
+    files, problem = _read_manifest(path)
+    if problem:
+        return [(MANIFEST, problem)], []
+    if files is None:
+        return _structural_problems(path), []
+    problems, unhashed = [], []
+    for name, (size, digest) in files.items():
+        problem = _size_problem(path, name, size)
+        if problem is None and name in _COMMON_FILES:
+            if _sha256(path / name) != digest:
+                problem = f"{name} content differs from what was saved"
+        elif problem is None:
+            unhashed.append((name, digest))
+        if problem:
+            problems.append((name, problem))
+    if not problems:
+        try:
+            _torch_dist_metadata(path)  # intact, and still only checkpoint metadata classes
+        except CheckpointError:
+            raise
+        except Exception:
+            problems.append((".metadata", ".metadata is unreadable"))
+    return problems, unhashed
+
+
+def _structural_problems(path: Path) -> list:
+    """A checkpoint without a manifest: the files the torch_dist metadata lists, at least as long as
+    it says, and readable common files."""
+    problems, needed = [], {}
+    if not (path / ".metadata").is_file():
+        problems.append((".metadata", ".metadata is missing"))
+    else:
+        try:
+            for info in _torch_dist_metadata(path).storage_data.values():
+                needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        except CheckpointError:
+            raise
+        except Exception:
+            problems.append((".metadata", ".metadata is unreadable"))
     try:
-        with open(meta, "rb") as f:
-            _MetadataUnpickler(f).load()
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{meta} is unreadable: {e}") from None
+        json.loads((path / "metadata.json").read_text())
+    except FileNotFoundError:
+        problems.append(("metadata.json", "metadata.json is missing"))
+    except (OSError, ValueError):
+        problems.append(("metadata.json", "metadata.json is unreadable"))
+    if not (path / "common.pt").is_file():
+        problems.append(("common.pt", "common.pt is missing"))
+    else:
+        try:
+            common = torch.load(path / "common.pt", map_location="cpu", weights_only=True)
+        except Exception:
+            problems.append(("common.pt", "common.pt is unreadable"))
+        else:
+            if isinstance(common, dict) and _MANIFEST_KEY in common:  # written with one: it was deleted
+                problems.append((MANIFEST, f"{MANIFEST} is missing"))
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append((name, f"{name} is missing"))
+        elif file.stat().st_size < size:
+            problems.append((name, f"{name} is truncated ({file.stat().st_size:,} of {size:,} bytes)"))
+    return problems
 
 
+def _problems(path: Path, collective: bool) -> list:
+    """What is wrong with checkpoint folder ``path`` ([]: complete). ``collective`` (every rank
+    calls it): the large files' hashes too, file i checked by rank i % world."""
+    problems, unhashed = _cheap_problems(path)
+    if collective:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        mine = [(n, f"{n} content differs from what was saved") for n, d in unhashed[rank::world] if _sha256(path / n) != d]
+        if world > 1:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine)
+            mine = [p for part in everyone for p in part]
+        problems += mine
+    return [text for _, text in sorted(problems)]
+
+
+def _chosen(folder, iteration: Optional[int]) -> Path:
+    """The checkpoint folder to load: ``iteration``'s, or the run folder's latest."""
+    found = iterations(folder)
+    if iteration is None:
+        iteration = latest_iteration(folder)
+        if iteration is None:
+            raise CheckpointError(f"no checkpoint (iter_XXXXXXX folder) in {folder}")
+    elif iteration not in found:
+        there = ", ".join(map(str, found)) if found else "none"
+        name = checkpoint_dir(folder, iteration).name
+        raise CheckpointError(f"--ckpt-step {iteration}: no checkpoint {name} in {folder} (checkpoints there: {there})")
+    return checkpoint_dir(folder, iteration)
+
+
+def _verified(folder, iteration: Optional[int], collective: bool) -> Path:
+    """The checkpoint folder to load, checked; a damaged one is one CheckpointError naming the
+    damaged files and the newest older complete checkpoint (the same error on every rank)."""
+    path = _chosen(folder, iteration)
+    problems = _problems(path, collective)
+    if not problems:
+        return path
+    older = None
+    for candidate in reversed([i for i in iterations(folder) if i < int(path.name[len("iter_"):])]):
+        try:
+            if not _problems(checkpoint_dir(folder, candidate), collective):
+                older = candidate
+                break
+        except CheckpointError:  # unsafe metadata: not a candidate
+            pass
+    shown = problems[:3] + ([f"and {len(problems) - 3} more"] if len(problems) > 3 else [])
+    advice = (
+        f"{checkpoint_dir(folder, older).name} is complete: resume from it with --ckpt-step {older}"
+        if older is not None
+        else f"no older complete checkpoint in {folder}"
+    )
+    raise CheckpointError(f"checkpoint {path} is damaged: {', '.join(shown)}; {advice}")
+
+
+# ---------------------------------------------------------------- load
 @contextlib.contextmanager
 def _weights_only_loading():
     """torch_dist reads non-tensor items (layers' ``_extra_state``) with ``torch.load(...,
@@ -190,13 +407,12 @@ def _weights_only_loading():
         torch.load = original
 
 
-def _latest(folder) -> Path:
-    iteration = latest_iteration(folder)
-    if iteration is None:
-        raise CheckpointError(f"no checkpoint (iter_XXXXXXX folder) in {folder}")
-    path = checkpoint_dir(folder, iteration)
-    _check_safe(path)
-    return path
+def _reason(e: BaseException) -> str:
+    """The first line of what went wrong (for torch's CheckpointException: of the first rank's failure)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _common(path: Path) -> dict:
@@ -204,18 +420,21 @@ def _common(path: Path) -> dict:
         with _weights_only_loading():
             return dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:
-        raise CheckpointError(f"{path}/common.pt is unreadable: {str(e).splitlines()[0]}") from None
+        raise CheckpointError(f"{path}/common.pt is unreadable: {_reason(e)}") from None
 
 
-def read_train_state(folder) -> dict:
-    """The training state saved with the newest checkpoint of a run folder (weights not read)."""
-    return _common(_latest(folder))["train_state"]
+def read_train_state(folder, iteration: Optional[int] = None) -> dict:
+    """The training state saved with a checkpoint of a run folder (the latest, or ``iteration``'s),
+    weights not read. Needs no torch.distributed; checks every file's size and the common files'
+    hashes."""
+    return _common(_verified(folder, iteration, collective=False))["train_state"]
 
 
-def load(folder, model, optimizer, scheduler) -> None:
-    """Load the newest checkpoint of a run folder into model, optimizer and scheduler and
-    restore this rank's RNG streams; from a seed checkpoint, the weights only."""
-    path = _latest(folder)
+def load(folder, model, optimizer, scheduler, iteration: Optional[int] = None) -> None:
+    """Load a checkpoint of a run folder (the latest, or ``iteration``'s) into model, optimizer and
+    scheduler and restore this rank's RNG streams; from a seed checkpoint, the weights only.
+    Collective: every rank checks its share of the files' hashes first."""
+    path = _verified(folder, iteration, collective=True)
     common = _common(path)
     if "scheduler" not in common:  # a seed checkpoint: weights only
         optimizer = scheduler = None
@@ -227,8 +446,9 @@ def load(folder, model, optimizer, scheduler) -> None:
     try:
         with torch.no_grad(), _weights_only_loading():  # no grad: the optimizer copies into views of parameters
             loaded = dist_checkpointing.load(state, str(path))
-    except Exception as e:  # shapes or keys that do not fit this model
-        raise CheckpointError(f"{path} does not fit this model/optimizer: {str(e).splitlines()[0]}") from None
+    except (Exception, CheckpointException) as e:  # shapes or keys that do not fit this model
+        verified = "" if (path / MANIFEST).is_file() else " (or it is damaged: it has no manifest to check)"
+        raise CheckpointError(f"{path} does not fit this model/optimizer{verified}: {_reason(e)}") from None
     model.load_state_dict(loaded["model"])
     if optimizer is None:
         return

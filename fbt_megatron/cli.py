@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from typing import Callable, NoReturn
+
+
+def quiet_library_warnings() -> None:
+    """Hide megatron-core's and torch's API notices (deprecations, CPU fallbacks) from a run's output."""
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(megatron|torch|fbt_megatron)\..*")
+    warnings.filterwarnings("ignore", message=".*(ShardedTensor|grad attribute of a Tensor that is not a leaf).*")
 
 
 def run_cli(main: Callable[[], int | None]) -> NoReturn:
     """Run `main` and exit with its return code. A ValueError or FileNotFoundError (bad input: a
     missing file, a malformed line, a bad flag value) becomes ``error: <message>`` on stderr and
-    exit code 2, without a traceback."""
+    exit code 2, without a traceback. Under torchrun/srun every rank finds the same bad input; only
+    rank 0 says so."""
     try:
         code = main()
     except (ValueError, FileNotFoundError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":
+            print("error: " + " ".join(str(e).split()), file=sys.stderr)
         sys.exit(2)
     sys.exit(code)

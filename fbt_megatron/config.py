@@ -25,6 +25,7 @@ class FBTConfig(TransformerConfig):
     """Vocabulary size as used by the embedding (already padded; see tokenizer padding)."""
     seq_length: int = 8192
     rotary_base: float = 10000.0
+    """RoPE base θ."""
 
     # --- backbone details of the paper's architecture
     depth_scale: Optional[float] = None

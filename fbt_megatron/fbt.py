@@ -128,7 +128,7 @@ def make_feedback(
 class MultiPassOutput:
     loss: torch.Tensor  # Σ_j w_j L_j, differentiable
     pass_losses: List[torch.Tensor]  # L_j, detached
-    state_deltas: List[torch.Tensor]  # RMS over tokens of s^{(j)} − s^{(j−1)}, j = 2..k, detached
+    state_delta_squares: List[torch.Tensor]  # mean over tokens of (s^{(j)} − s^{(j−1)})², j = 2..k, detached
     top_state: torch.Tensor  # s^{(k)}
 
 
@@ -179,9 +179,11 @@ def run_pass(model, tokens, labels, pass_index: int, received: Optional[torch.Te
     return forward(embeddings, labels, received)
 
 
-def state_delta(top: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """RMS over this rank's tokens of s^{(j)} − s^{(j−1)} (a detached diagnostic)."""
-    return (top.detach() - previous.detach()).float().pow(2).mean().sqrt()
+def state_delta_square(top: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """Mean over this rank's tokens of (s^{(j)} − s^{(j−1)})² (a detached diagnostic). Its root,
+    ‖Δs‖ (the RMS), is taken after averaging over microbatches and ranks: every shard of a
+    sequence holds as many tokens, so the mean of the shards' means is the whole mean."""
+    return (top.detach() - previous.detach()).float().pow(2).mean()
 
 
 def multi_pass_loss(
@@ -211,9 +213,9 @@ def multi_pass_loss(
         total = total + weights[j - 1] * loss_j
         losses.append(loss_j.detach())
         if prev is not None:
-            deltas.append(state_delta(top, prev))
+            deltas.append(state_delta_square(top, prev))
         prev = top.detach() if model.config.detach_feedback else top
-    return MultiPassOutput(loss=total, pass_losses=losses, state_deltas=deltas, top_state=prev)
+    return MultiPassOutput(loss=total, pass_losses=losses, state_delta_squares=deltas, top_state=prev)
 
 
 # ---------------------------------------------------------------- the pass schedule

@@ -7,6 +7,7 @@ after the last checkpoint of a crashed run) are dropped first, so the file reads
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -19,25 +20,61 @@ def read_metrics(folder) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+# TensorBoard tags: Megatron-LM's names where it has the quantity (its dashboards and scripts
+# work unchanged), ``fbt/...`` for what only FBT has. metrics.jsonl keeps the record's keys.
+TAGS = {
+    "loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "iteration_time": "iteration-time",
+    "tokens_per_s": "tokens-per-sec",
+    "tokens": "consumed-tokens",
+    "k": "fbt/passes",
+    "compute_tokens": "fbt/compute-tokens",
+}
+
+
+def tensorboard_scalars(record: dict) -> dict:
+    """A logged record as TensorBoard tag → value."""
+    out = {}
+    for key, value in record.items():
+        if key == "step" or value is None:
+            continue
+        if key == "pass_losses":  # passes 1..k
+            out.update({f"fbt/lm loss pass{j}": v for j, v in enumerate(value, start=1)})
+        elif key == "state_deltas":  # ‖s^{(j)} − s^{(j−1)}‖ for passes 2..k
+            out.update({f"fbt/state delta pass{j}": v for j, v in enumerate(value, start=2)})
+        elif key.startswith("valid_loss_fused"):
+            out[f"fbt/lm loss validation fused{key.removeprefix('valid_loss_fused')}"] = value
+            if key == "valid_loss_fused0":  # no fused pass: the plain model's validation loss
+                out["lm loss validation"], out["lm loss validation ppl"] = value, math.exp(min(value, 20.0))
+        else:
+            out[TAGS.get(key, key)] = value
+    return out
+
+
 class MetricsLogger:
-    def __init__(self, folder: Optional[str], active: bool = True, tensorboard: bool = True, resume_from: int = 0):
-        """``active`` False: this rank does not log. ``folder`` None: stdout only (no metrics file or
-        TensorBoard). ``resume_from``: the step the run resumes at."""
+    def __init__(self, folder: Optional[str], active: bool = True, tensorboard: bool = True,
+                 tensorboard_dir: Optional[str] = None, resume_from: int = 0):
+        """``active`` False: this rank does not log. ``folder`` None: no metrics file (and no
+        TensorBoard unless ``tensorboard_dir`` is given). ``resume_from``: the step the run resumes at."""
         self.active = active
         self.file = self.writer = None
-        if folder is None or not active:
+        if not active:
             return
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(folder) if r["step"] <= resume_from]
-        tmp = folder / (METRICS + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, folder / METRICS)
-        self.file = open(folder / METRICS, "a")
-        if tensorboard:
+        if folder is not None:
+            folder = Path(folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            kept = [r for r in read_metrics(folder) if r["step"] <= resume_from]
+            tmp = folder / (METRICS + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, folder / METRICS)
+            self.file = open(folder / METRICS, "a")
+        events = tensorboard_dir or (folder / "tensorboard" if folder is not None else None)
+        if tensorboard and events is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(folder / "tensorboard"), purge_step=resume_from + 1 if resume_from else None)
+            self.writer = SummaryWriter(str(events), purge_step=resume_from + 1 if resume_from else None)
 
     def log(self, record: dict) -> None:
         if self.active:
@@ -46,16 +83,8 @@ class MetricsLogger:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.writer:
-            step = record["step"]
-            for key, value in record.items():
-                if key == "step" or value is None:
-                    continue
-                if isinstance(value, list):  # per pass: losses of passes 1..k, deltas of passes 2..k
-                    first = 1 if key == "pass_losses" else 2
-                    for j, v in enumerate(value, start=first):
-                        self.writer.add_scalar(f"{key}/pass{j}", v, step)
-                else:
-                    self.writer.add_scalar(key, value, step)
+            for tag, value in tensorboard_scalars(record).items():
+                self.writer.add_scalar(tag, value, record["step"])
             self.writer.flush()
 
     def close(self) -> None:

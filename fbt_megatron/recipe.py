@@ -4,20 +4,21 @@ A recipe has one section per concern. Field names are Megatron-LM's argument nam
 is also a command-line flag of the same name (``train_iters`` ↔ ``--train-iters``); model fields
 (``FBTConfig``) go under ``model:`` in YAML and are flags too (``--num-layers``, ``--feedback-jitter``).
 Anything wrong (an unknown key, a wrong type, a value out of range, parallel sizes that do not fit
-the world) raises ``RecipeError`` with one line naming the key, before any work is done.
+the world) raises ``RecipeError`` with one line naming the key, before any work is done. The
+command line itself (grouped ``--help``, parsing, errors) is ``fbt_megatron.flags``; the field
+docstrings here are the flags' descriptions.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional
 
 import yaml
-
 
 from fbt_megatron import platform
 
@@ -29,40 +30,49 @@ class RecipeError(ValueError):
 @dataclass
 class ModelSection:
     preset: str = "tiny"
-    """A preset of fbt_megatron.config.PRESETS; every other key here overrides an FBTConfig field."""
+    """Model preset (fbt_megatron/config.py: tiny, fbt-1b); other model keys override its fields."""
 
 
 @dataclass
 class DataSection:
     data_path: Optional[str] = "data/stdlib-sp2048"
-    """A prepared corpus folder (with corpus.json), or the embedded default when ``corpus`` names it."""
+    """A prepared corpus folder (with corpus.json), or where to prepare ``corpus``."""
     corpus: Optional[str] = "stdlib"
-    """Source to prepare ``data_path`` from on first use: ``stdlib`` (embedded), a folder or a JSONL
-    file; null: ``data_path`` must already be prepared."""
+    """Source to prepare ``data_path`` from on first use: ``stdlib`` (embedded), a folder, a JSONL
+    file or a state-tracking task (``state_tracking:parity``, ``sum_mod5``, ``s3``); null:
+    ``data_path`` must already be prepared."""
     vocab_size: int = 2048
-    """Tokenizer size when the corpus is prepared here."""
+    """Tokenizer size when the corpus is prepared here (it sets the embedding size too)."""
     train_data_path: Optional[List[Any]] = None
     """Megatron blend for training: [weight, prefix, weight, prefix, ...] or [prefix, ...]."""
     valid_data_path: Optional[List[Any]] = None
+    """Megatron blend for validation (default: the training blend)."""
     tokenizer_model: Optional[str] = None
     """Tokenizer file (sentencepiece .model, tokenizer.json, tiktoken BPE); default: the corpus's."""
     data_cache_path: Optional[str] = None
     """Where GPTDataset index caches go; default: <save>/data_cache or the corpus folder."""
     seq_length: int = 128
+    """Tokens per training sequence."""
     make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this (times TP)."""
 
 
 @dataclass
 class TrainingSection:
     seed: int = 1234
+    """Seed of initialisation, data order, prefix mixin, jitter and the pass schedule."""
     micro_batch_size: int = 8
+    """Sequences per microbatch on one data-parallel rank."""
     global_batch_size: int = 16
+    """Sequences per optimizer step over all data-parallel ranks."""
     train_iters: int = 100
-    log_interval: int = 10
+    """Optimizer steps of the whole run (the learning-rate schedule spans them)."""
     eval_interval: int = 50
+    """Validate every this many steps (and at the end)."""
     eval_iters: int = 4
+    """Global batches per validation (0: no validation)."""
     fused_prefill_passes: int = 3
-    """Validation reports the loss after 0, 1, …, n fused prefill passes (FBT models only)."""
+    """Validation reports the loss after 0, 1, ..., n fused prefill passes (FBT models only)."""
     exit_interval: Optional[int] = None
     """Stop (after a checkpoint) once the iteration is a multiple of this; a later --load resumes."""
     threads: int = 0
@@ -75,28 +85,45 @@ class PassesSection:
     ``pass_mixture`` (a pure function of seed and step, identical on every rank)."""
 
     passes: int = 1
+    """Passes k per step before pass_mixture_start (or always, without a mixture)."""
     pass_mixture: Optional[Dict[int, float]] = None
+    """From pass_mixture_start on, k is drawn per step from these weights, e.g. {1: 0.75, 2: 0.22, 3: 0.03}."""
     pass_mixture_start: int = 0
+    """The step from which k is drawn from pass_mixture."""
 
 
 @dataclass
 class OptimizerSection:
     optimizer: Literal["adam", "sgd"] = "adam"
+    """megatron-core optimizer (weight decay off for norms and 1-D parameters)."""
     lr: float = 3e-3
+    """Peak learning rate."""
     min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
     weight_decay: float = 0.01
+    """Decoupled weight decay of matrices."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.95
+    """Adam's second-moment decay."""
     adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
     sgd_momentum: float = 0.9
+    """SGD momentum."""
     clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
     lr_warmup_iters: int = 20
+    """Linear warmup steps; clamped to a tenth of the run when the run is not longer (printed)."""
     lr_decay_style: Literal["WSD", "cosine", "linear", "constant"] = "WSD"
+    """Learning-rate schedule after warmup (megatron-core's OptimizerParamScheduler)."""
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    """WSD: the shape of the final decay."""
     lr_wsd_decay_fraction: float = 0.25
     """WSD: the last fraction of training decays the learning rate to ``min_lr``."""
     bf16: bool = False
+    """bf16 weights and activations (fp32 main weights in the optimizer)."""
     fp16: bool = False
+    """fp16 weights and activations with loss scaling."""
     loss_scale: Optional[float] = None
     """fp16 only: a static loss scale; null means dynamic loss scaling."""
 
@@ -104,14 +131,18 @@ class OptimizerSection:
 @dataclass
 class ParallelSection:
     tensor_model_parallel_size: int = 1
+    """Tensor-parallel size (megatron-core's column/row-parallel layers)."""
     pipeline_model_parallel_size: int = 1
+    """Pipeline stages; the k passes run as virtual chunks of each stage."""
     sequence_parallel: bool = False
     """Shard activations along the sequence across TP ranks (needs TP > 1)."""
     context_parallel_size: int = 1
     """Split every sequence over CP ranks in megatron-core's load-balanced chunks (needs Transformer
     Engine attention, i.e. a GPU)."""
     use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron-core's distributed optimizer)."""
     overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the last backward."""
 
 
 @dataclass
@@ -119,13 +150,29 @@ class CheckpointSection:
     save: Optional[str] = None
     """Run folder: checkpoints, metrics.jsonl and TensorBoard events."""
     load: Optional[str] = None
-    """Run folder to resume from (its latest checkpoint)."""
+    """Run folder to resume from (its newest checkpoint, or --ckpt-step)."""
+    ckpt_step: Optional[int] = None
+    """Resume from this iteration's checkpoint of --load instead of the newest one."""
     save_interval: Optional[int] = None
-    tensorboard: bool = True
+    """Save every this many steps (and always at the end)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, apply this run's learning-rate schedule (--lr, --train-iters, warmup, decay) instead of the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's learning-rate schedule even where this run's flags differ."""
     create_seed_checkpoint: bool = False
     """Save the freshly initialised model as iteration 0 in --save and exit (one process). Runs at
     any parallel layout that --load it start from the same weights (initialisation itself
     depends on the pipeline layout, as in Megatron-LM)."""
+
+
+@dataclass
+class LoggingSection:
+    log_interval: int = 10
+    """Log every this many steps (and the last step): stdout, metrics.jsonl, TensorBoard."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars (needs --save or --tensorboard-dir)."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard event folder (default: <save>/tensorboard)."""
 
 
 SECTIONS = {
@@ -135,6 +182,7 @@ SECTIONS = {
     "optimizer": OptimizerSection,
     "parallel": ParallelSection,
     "checkpoint": CheckpointSection,
+    "logging": LoggingSection,
 }
 
 
@@ -148,11 +196,22 @@ class Recipe:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
 
     def to_dict(self) -> dict:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         out["model"] = {"preset": self.model.preset, **self.model_overrides}
         return out
+
+    def clamp_warmup(self) -> Optional[str]:
+        """A warmup as long as the run (a short smoke run of a long recipe) becomes a tenth of the
+        run; returns the note to print, None when nothing changed."""
+        o, iters = self.optimizer, self.training.train_iters
+        if o.lr_warmup_iters < iters:
+            return None
+        asked, o.lr_warmup_iters = o.lr_warmup_iters, iters // 10
+        return (f"note: --lr-warmup-iters {asked} does not fit --train-iters {iters}: warmup clamped to "
+                f"{o.lr_warmup_iters} steps (a tenth of the run)")
 
     def validate(self, world_size: int = 1) -> None:
         t, p, o = self.training, self.parallel, self.optimizer
@@ -160,7 +219,7 @@ class Recipe:
             ("training.micro_batch_size", t.micro_batch_size),
             ("training.global_batch_size", t.global_batch_size),
             ("training.train_iters", t.train_iters),
-            ("training.log_interval", t.log_interval),
+            ("logging.log_interval", self.logging.log_interval),
             ("training.eval_interval", t.eval_interval),
             ("data.seq_length", self.data.seq_length),
             ("passes.passes", self.passes.passes),
@@ -175,8 +234,13 @@ class Recipe:
             raise RecipeError("training.eval_iters and training.fused_prefill_passes must be >= 0")
         if self.checkpoint.create_seed_checkpoint and (world_size != 1 or self.checkpoint.save is None):
             raise RecipeError("checkpoint.create_seed_checkpoint needs one process and --save")
-        if self.checkpoint.save_interval is not None and self.checkpoint.save_interval < 1:
-            raise RecipeError(f"checkpoint.save_interval must be >= 1, got {self.checkpoint.save_interval}")
+        c = self.checkpoint
+        if c.save_interval is not None and c.save_interval < 1:
+            raise RecipeError(f"checkpoint.save_interval must be >= 1, got {c.save_interval}")
+        if c.ckpt_step is not None and c.load is None:
+            raise RecipeError("checkpoint.ckpt_step picks a checkpoint of --load: give --load too")
+        if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+            raise RecipeError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are exclusive: pick one")
         model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
         if world_size % model_parallel:
             raise RecipeError(
@@ -211,8 +275,10 @@ class Recipe:
             raise RecipeError("optimizer.bf16 and optimizer.fp16 are exclusive")
         if not 0 <= o.lr_wsd_decay_fraction <= 1:
             raise RecipeError(f"optimizer.lr_wsd_decay_fraction must be in [0, 1], got {o.lr_wsd_decay_fraction}")
-        if not 0 <= o.lr_warmup_iters < t.train_iters:
-            raise RecipeError(f"optimizer.lr_warmup_iters {o.lr_warmup_iters} must be in [0, train_iters {t.train_iters})")
+        if o.lr <= 0:
+            raise RecipeError(f"optimizer.lr must be > 0, got {o.lr}")
+        if o.lr_warmup_iters < 0:
+            raise RecipeError(f"optimizer.lr_warmup_iters must be >= 0, got {o.lr_warmup_iters}")
         if o.min_lr > o.lr:
             raise RecipeError(f"optimizer.min_lr {o.min_lr} exceeds optimizer.lr {o.lr}")
         mixture = self.passes.pass_mixture
@@ -226,13 +292,13 @@ class Recipe:
 
 
 # ---------------------------------------------------------------- typed values
-def _check(value, hint, key: str):
+def check(value, hint, key: str):
     """``value`` converted to the type ``hint``, or RecipeError naming ``key``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union:  # Optional[X]
         if value is None:
             return None
-        return _check(value, [a for a in args if a is not type(None)][0], key)
+        return check(value, [a for a in args if a is not type(None)][0], key)
     if origin is Literal:
         if value not in args:
             raise RecipeError(f"{key} must be one of {list(args)}, got {value!r}")
@@ -240,11 +306,11 @@ def _check(value, hint, key: str):
     if origin in (list, List):
         if not isinstance(value, (list, tuple)):
             raise RecipeError(f"{key} must be a list, got {value!r}")
-        return [_check(v, args[0], key) for v in value] if args else list(value)
+        return [check(v, args[0], key) for v in value] if args else list(value)
     if origin in (dict, Dict):
         if not isinstance(value, dict):
             raise RecipeError(f"{key} must be a mapping, got {value!r}")
-        return {_check(k, args[0], key): _check(v, args[1], key) for k, v in value.items()}
+        return {check(k, args[0], key): check(v, args[1], key) for k, v in value.items()}
     if hint is Any:
         return value
     if hint is bool:
@@ -275,7 +341,7 @@ def _check(value, hint, key: str):
     raise RecipeError(f"{key}: cannot be set from a recipe")
 
 
-def _hints(cls) -> dict:
+def hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
@@ -289,11 +355,12 @@ def _settable(hint) -> bool:
     return origin is Literal or hint in _SIMPLE
 
 
-def _model_hints() -> dict:
+@functools.cache
+def model_hints() -> dict:
     """Type hints of the FBTConfig (and TransformerConfig) fields a recipe may set: simple-typed ones."""
     from fbt_megatron.config import FBTConfig
 
-    owned = {name for cls in SECTIONS.values() for name in _hints(cls)} | {"vocab_size"}  # set elsewhere
+    owned = {name for cls in SECTIONS.values() for name in hints(cls)} | {"vocab_size"}  # set elsewhere
     return {n: h for n, h in typing.get_type_hints(FBTConfig).items() if _settable(h) and n not in owned}
 
 
@@ -302,24 +369,24 @@ def _section(cls, values, where: str):
         return cls()
     if not isinstance(values, dict):
         raise RecipeError(f"{where} must be a mapping")
-    hints = _hints(cls)
-    unknown = sorted(set(values) - set(hints))
+    types = hints(cls)
+    unknown = sorted(set(values) - set(types))
     if unknown:
-        raise RecipeError(f"unknown key {where}.{unknown[0]} (known: {', '.join(sorted(hints))})")
-    return cls(**{k: _check(v, hints[k], f"{where}.{k}") for k, v in values.items()})
+        raise RecipeError(f"unknown key {where}.{unknown[0]} (known: {', '.join(sorted(types))})")
+    return cls(**{k: check(v, types[k], f"{where}.{k}") for k, v in values.items()})
 
 
 def _model(values) -> tuple:
     values = dict(values or {})
     if not isinstance(values, dict):
         raise RecipeError("model must be a mapping")
-    preset = _check(values.pop("preset", ModelSection.preset), str, "model.preset")
-    hints = _model_hints()
+    preset = check(values.pop("preset", ModelSection.preset), str, "model.preset")
+    types = model_hints()
     overrides = {}
     for key, value in values.items():
-        if key not in hints:
+        if key not in types:
             raise RecipeError(f"unknown key model.{key} (not an FBTConfig field a recipe can set)")
-        overrides[key] = _check(value, hints[key], f"model.{key}")
+        overrides[key] = check(value, types[key], f"model.{key}")
     return ModelSection(preset=preset), overrides
 
 
@@ -342,44 +409,3 @@ def load_recipe(path: Optional[str]) -> Recipe:
     model, overrides = _model(raw.get("model"))
     sections = {name: _section(cls, raw.get(name), name) for name, cls in SECTIONS.items()}
     return Recipe(model=model, model_overrides=overrides, **sections)
-
-
-# ---------------------------------------------------------------- command line
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_override_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per recipe field (Megatron's names); values are parsed as YAML scalars/lists."""
-    seen = set()
-    groups = [(name, _hints(cls)) for name, cls in SECTIONS.items()]
-    groups.append(("model", {"preset": str, **_model_hints()}))
-    for section, hints in groups:
-        group = parser.add_argument_group(f"{section} overrides")
-        for name in hints:
-            if name in seen:
-                continue
-            seen.add(name)
-            group.add_argument(_flag(name), dest=f"{section}.{name}", default=None, metavar="VALUE")
-
-
-def apply_overrides(recipe: Recipe, args: argparse.Namespace) -> Recipe:
-    """The recipe with every flag given on the command line applied (and type-checked)."""
-    for dest, text in vars(args).items():
-        if "." not in dest or text is None:
-            continue
-        section, name = dest.split(".", 1)
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
-        where = _flag(name)
-        if section == "model":
-            if name == "preset":
-                recipe.model.preset = _check(value, str, where)
-            else:
-                recipe.model_overrides[name] = _check(value, _model_hints()[name], where)
-        else:
-            target = getattr(recipe, section)
-            setattr(target, name, _check(value, _hints(type(target))[name], where))
-    return recipe

@@ -10,22 +10,24 @@ gradients (DDP) → optimizer step → learning-rate step → log / validate / c
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from fbt_megatron import checkpointing, platform
-from fbt_megatron.cli import run_cli
+from fbt_megatron import checkpointing, flags, platform
+from fbt_megatron.cli import quiet_library_warnings, run_cli
 from fbt_megatron.fbt import PassSchedule, pass_weights
 from fbt_megatron.metrics import MetricsLogger
-from fbt_megatron.recipe import Recipe, RecipeError, add_override_flags, apply_overrides, load_recipe
+from fbt_megatron.recipe import Recipe, RecipeError
+
+
+DESCRIPTION = ("Train an FBT model (or its baseline) from a recipe, alone or under torchrun/srun. "
+               "Every recipe field is a flag; the defaults shown are the recipe's.")
 
 
 # ---------------------------------------------------------------- building blocks
@@ -59,13 +61,12 @@ def build_model(recipe: Recipe, vocab_size: int):
     return config, model, ddp
 
 
-def build_optimizer(recipe: Recipe, config, ddp):
+def build_optimizer(recipe: Recipe, config, ddp, schedule: Optional[dict] = None):
     """megatron-core's optimizer (Adam or SGD; weight decay off for norms and 1-D parameters) and its
-    WSD / cosine learning-rate scheduler."""
+    learning-rate scheduler following ``schedule`` (default: the recipe's, ``lr_schedule``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    o, t = recipe.optimizer, recipe.training
+    o = recipe.optimizer
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer=o.optimizer,
@@ -86,23 +87,95 @@ def build_optimizer(recipe: Recipe, config, ddp):
         [ddp],
     )
     config.grad_scale_func = optimizer.scale_loss
-    wsd = o.lr_decay_style == "WSD"
-    scheduler = OptimizerParamScheduler(
+    return optimizer, build_scheduler(optimizer, schedule or lr_schedule(recipe))
+
+
+# ---------------------------------------------------------------- the learning-rate schedule
+def lr_schedule(recipe: Recipe) -> dict:
+    """The flags that define the learning-rate and weight-decay curve (saved in every checkpoint,
+    so that a resumed run knows whether its curve is the one the checkpoint was trained on)."""
+    o = recipe.optimizer
+    schedule = {"lr": o.lr, "min_lr": o.min_lr, "lr_warmup_iters": o.lr_warmup_iters,
+                "train_iters": recipe.training.train_iters, "lr_decay_style": o.lr_decay_style, "weight_decay": o.weight_decay}
+    if o.lr_decay_style == "WSD":
+        schedule.update(lr_wsd_decay_style=o.lr_wsd_decay_style, lr_wsd_decay_fraction=o.lr_wsd_decay_fraction)
+    return schedule
+
+
+def _wsd_decay_iters(schedule: dict) -> int:
+    return round(schedule["lr_wsd_decay_fraction"] * schedule["train_iters"])
+
+
+def build_scheduler(optimizer, schedule: dict):
+    """megatron-core's OptimizerParamScheduler for ``schedule``. It is the curve this run chose
+    (``choose_schedule``), so loading a checkpoint restores only its step count."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wsd = schedule["lr_decay_style"] == "WSD"
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters,
-        lr_decay_steps=t.train_iters,
-        lr_decay_style=o.lr_decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=t.train_iters,
+        max_lr=schedule["lr"],
+        min_lr=schedule["min_lr"],
+        lr_warmup_steps=schedule["lr_warmup_iters"],
+        lr_decay_steps=schedule["train_iters"],
+        lr_decay_style=schedule["lr_decay_style"],
+        start_wd=schedule["weight_decay"],
+        end_wd=schedule["weight_decay"],
+        wd_incr_steps=schedule["train_iters"],
         wd_incr_style="constant",
-        wsd_decay_steps=round(o.lr_wsd_decay_fraction * t.train_iters) if wsd else None,
-        lr_wsd_decay_style=o.lr_wsd_decay_style if wsd else None,
+        wsd_decay_steps=_wsd_decay_iters(schedule) if wsd else None,
+        lr_wsd_decay_style=schedule["lr_wsd_decay_style"] if wsd else None,
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
-    return optimizer, scheduler
+
+
+def describe_schedule(schedule: dict, train_iters: int) -> str:
+    """The learning-rate curve in words, e.g. "warmup to 3.0e-03 over 20 steps, constant to step
+    600, linear decay to 0.0e+00 at step 800"."""
+    s, end = schedule, schedule["train_iters"]
+    parts = [f"warmup to {s['lr']:.1e} over {s['lr_warmup_iters']} steps" if s["lr_warmup_iters"] else f"{s['lr']:.1e} from step 1"]
+    if s["lr_decay_style"] == "WSD":
+        parts += [f"constant to step {end - _wsd_decay_iters(s)}", f"{s['lr_wsd_decay_style']} decay to {s['min_lr']:.1e} at step {end}"]
+    elif s["lr_decay_style"] == "constant":
+        parts.append("constant")
+    else:
+        parts.append(f"{s['lr_decay_style']} decay to {s['min_lr']:.1e} at step {end}")
+    if train_iters > end and s["lr_decay_style"] != "constant":
+        parts.append(f"then {s['min_lr']:.1e} to step {train_iters}")
+    return ", ".join(parts)
+
+
+def _curve(schedule: dict) -> dict:
+    """What shapes the curve: a constant learning rate does not depend on the run's length."""
+    return {k: v for k, v in schedule.items() if not (k == "train_iters" and schedule["lr_decay_style"] == "constant")}
+
+
+def choose_schedule(recipe: Recipe, saved: Optional[dict]) -> Tuple[dict, Optional[str]]:
+    """The learning-rate schedule of this run, and a note when resuming changes it. As in
+    Megatron-LM, a checkpoint trained on another curve (a longer --train-iters, a new --lr, warmup
+    or decay) is refused unless the run says which curve applies:
+    ``--override-opt-param-scheduler`` (this run's, recomputed for its length) or
+    ``--use-checkpoint-opt-param-scheduler`` (the checkpoint's, whatever the flags say)."""
+    ours = lr_schedule(recipe)
+    theirs = saved.get("lr_schedule") if saved else None
+    if theirs is None or _curve(theirs) == _curve(ours):
+        return ours, None
+    changed = ", ".join(
+        f"{flags.flag(key)} {flags.show(theirs.get(key))} → {flags.show(ours.get(key))}"
+        for key in ours.keys() | theirs.keys() if theirs.get(key) != ours.get(key)
+    )
+    c = recipe.checkpoint
+    if c.override_opt_param_scheduler:
+        return ours, f"learning-rate schedule changed since the checkpoint ({changed}): this run's applies (--override-opt-param-scheduler)"
+    if c.use_checkpoint_opt_param_scheduler:
+        return theirs, f"learning-rate schedule changed since the checkpoint ({changed}): the checkpoint's applies (--use-checkpoint-opt-param-scheduler)"
+    raise RecipeError(
+        f"the checkpoint in {c.load} (step {saved['iteration']}) was trained with another learning-rate schedule ({changed}): "
+        f"add --override-opt-param-scheduler to apply this run's from step {saved['iteration'] + 1}, "
+        f"or --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+    )
 
 
 @dataclass
@@ -114,13 +187,27 @@ class Data:
 
 
 def build_data(recipe: Recipe, world_rank: int) -> Data:
-    """Tokenizer and GPTDatasets. The embedded default corpus is prepared on first use (rank 0
-    prepares, the others wait)."""
+    """Tokenizer and datasets: GPTDatasets of a corpus or a blend, or the examples of a
+    state-tracking task (``fbt_megatron.tasks.state_tracking``). The embedded default corpus and
+    the tasks are prepared on first use (rank 0 prepares, the others wait)."""
     from fbt_megatron.data.corpus import ensure_corpus, load_corpus
     from fbt_megatron.data.datasets import build_datasets
     from fbt_megatron.data.tokenizer import load_tokenizer
+    from fbt_megatron.tasks import state_tracking
 
     d, t = recipe.data, recipe.training
+    gbs = t.global_batch_size
+    num_samples = (t.train_iters * gbs, max(1, t.eval_iters) * gbs)
+    task = state_tracking.task_name(d.corpus)
+    if d.train_data_path is None and (task or (d.corpus is None and state_tracking.is_task_folder(d.data_path))):
+        if task:
+            if world_rank == 0:
+                state_tracking.prepare_task(task, d.data_path, d.seq_length)
+            dist.barrier()
+        prepared = state_tracking.load_task(d.data_path)
+        train, valid = (prepared.dataset(s, d.seq_length, n, t.seed) for s, n in zip(state_tracking.SPLITS, num_samples))
+        return Data(tokenizer=prepared.vocabulary, train=train, valid=valid,
+                    source=f"{d.data_path} ({prepared.group.name} state tracking)")
     if d.train_data_path is None:
         if d.corpus is not None:
             if world_rank == 0:
@@ -139,12 +226,11 @@ def build_data(recipe: Recipe, world_rank: int) -> Data:
         source = " ".join(map(str, d.train_data_path))
         cache = d.data_cache_path or str(Path(recipe.checkpoint.save or ".") / "data_cache")
     tokenizer = load_tokenizer(tokenizer_path)
-    gbs = t.global_batch_size
     train, valid, _ = build_datasets(
         tokenizer,
         seq_length=d.seq_length,
         seed=t.seed,
-        num_samples=(t.train_iters * gbs, max(1, t.eval_iters) * gbs, None),
+        num_samples=(*num_samples, None),
         cache_dir=cache,
         blend_per_split=[train_blend, valid_blend or train_blend, None],
     )
@@ -215,7 +301,7 @@ def run_schedule(recipe: Recipe, ddp, dataset, first_sample: int, num_passes: in
         measure_deltas=measure_deltas,
     )
     out = {}
-    for key in ("pass_losses", "state_deltas"):
+    for key in ("pass_losses", "state_delta_squares"):
         if reports and key in reports[0]:
             out[key] = torch.stack([r[key] for r in reports]).mean(0)
     return out
@@ -223,7 +309,8 @@ def run_schedule(recipe: Recipe, ddp, dataset, first_sample: int, num_passes: in
 
 def data_parallel_mean(report: dict) -> dict:
     """A step's report averaged over data- and context-parallel ranks (and over the TP ranks, which
-    hold shards of the sequence under SP), as floats (one host sync: log steps only)."""
+    hold shards of the sequence under SP), as floats (one host sync: log steps only); the mean
+    squared state deltas become ‖Δs‖, the RMS over all tokens."""
     from megatron.core import parallel_state
 
     out = {}
@@ -232,6 +319,8 @@ def data_parallel_mean(report: dict) -> dict:
         for group in (parallel_state.get_data_parallel_group(with_context_parallel=True), parallel_state.get_tensor_model_parallel_group()):
             dist.all_reduce(value, group=group)
             value /= dist.get_world_size(group)
+        if key == "state_delta_squares":
+            key, value = "state_deltas", value.sqrt()
         out[key] = value.tolist()
     return out
 
@@ -247,6 +336,7 @@ class TrainState:
     compute_tokens: int = 0  # tokens × passes: the cost in equivalent single-pass tokens
     pass_schedule: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
+    lr_schedule: dict = field(default_factory=dict)  # the curve the optimizer followed (``lr_schedule``)
 
 
 def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
@@ -270,34 +360,65 @@ def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
 def resume_state(recipe: Recipe) -> Optional[dict]:
     """The training state of the checkpoint ``--load`` resumes from (None: start from scratch),
     checked against the recipe before any work is done."""
-    load, model = recipe.checkpoint.load, recipe.to_dict()["model"]
-    if load is None:
+    c, model = recipe.checkpoint, recipe.to_dict()["model"]
+    if c.load is None:
         return None
-    if not Path(load).is_dir():
-        raise RecipeError(f"--load {load}: no such run folder")
-    if checkpointing.latest_iteration(load) is None:
-        print(f"--load {load}: no checkpoint yet, starting from scratch", flush=True)
+    if not Path(c.load).is_dir():
+        raise RecipeError(f"--load {c.load}: no such run folder")
+    if c.ckpt_step is None and checkpointing.latest_iteration(c.load) is None:
+        print(f"--load {c.load}: no checkpoint yet, starting from scratch", flush=True)
         return None
-    saved = checkpointing.read_train_state(load)
+    saved = checkpointing.read_train_state(c.load, iteration=c.ckpt_step)
     if saved["model"] != model:
-        raise RecipeError(f"the checkpoint in {load} is of model {saved['model']}, the recipe asks for {model}")
+        raise RecipeError(f"the checkpoint in {c.load} is of model {saved['model']}, the recipe asks for {model}")
     if saved["iteration"] >= recipe.training.train_iters:
         raise RecipeError(
-            f"the checkpoint in {load} is at iteration {saved['iteration']}, not before --train-iters {recipe.training.train_iters}"
+            f"the checkpoint in {c.load} is at iteration {saved['iteration']}, not before --train-iters {recipe.training.train_iters}"
         )
     return saved
 
 
-def train(recipe: Recipe) -> List[dict]:
-    """Train per the recipe; returns the logged records (also on stdout / metrics.jsonl / TensorBoard)."""
+def validation_note(valid, recipe: Recipe) -> Optional[str]:
+    """A warning when validation asks for more sequences than the validation split holds (they
+    repeat, so the loss is measured on less text than it seems)."""
+    t, length = recipe.training, recipe.data.seq_length
+    documents = getattr(valid, "dataset", None)
+    if documents is None or not hasattr(valid, "indices"):  # a blend or another dataset class
+        return None
+    tokens = int(documents.sequence_lengths[valid.indices].sum())
+    distinct, asked = max(1, (tokens - 1) // length), t.eval_iters * t.global_batch_size
+    if not t.eval_iters or asked <= distinct:
+        return None
+    return (f"warning: validation reads {asked} sequences of {length} tokens but its split holds {tokens:,} tokens "
+            f"({distinct} distinct sequences): they repeat; use a larger validation split or fewer --eval-iters")
+
+
+def header(recipe: Recipe, model, vocab: int, data: Data, schedule: dict, start: int) -> str:
     from megatron.core import parallel_state
 
-    t, c = recipe.training, recipe.checkpoint
+    t, p = recipe.training, recipe.parallel
+    tokenizer_vocab = data.tokenizer.vocab_size
+    return (
+        f"fbt-megatron: {recipe.model.preset}, {sum(q.numel() for q in model.parameters()):,} parameters on this rank, "
+        f"vocabulary {tokenizer_vocab:,}" + (f" (padded to {vocab:,})" if vocab != tokenizer_vocab else "") + "\n"
+        f"  data {data.source}; world {dist.get_world_size()} (tp {p.tensor_model_parallel_size}, "
+        f"pp {p.pipeline_model_parallel_size}, cp {p.context_parallel_size}, dp {parallel_state.get_data_parallel_world_size()}); "
+        f"steps {start}→{t.train_iters} of {t.global_batch_size} × {recipe.data.seq_length} tokens\n"
+        f"  learning rate: {describe_schedule(schedule, t.train_iters)}"
+    )
+
+
+def train(recipe: Recipe) -> List[dict]:
+    """Train per the recipe; returns the logged records (also on stdout / metrics.jsonl / TensorBoard)."""
+    t, c, g = recipe.training, recipe.checkpoint, recipe.logging
     if t.threads:
         torch.set_num_threads(t.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     recipe.validate(world)
+    notes = [note for note in [recipe.clamp_warmup()] if note]
     saved = resume_state(recipe)
+    schedule, note = choose_schedule(recipe, saved)
+    notes += [note] if note else []
     p = recipe.parallel
     platform.init_distributed(
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed, context_parallel_size=p.context_parallel_size
@@ -306,34 +427,29 @@ def train(recipe: Recipe) -> List[dict]:
     data = build_data(recipe, rank)
     vocab = data.tokenizer.padded_vocab_size(recipe.parallel.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
     config, model, ddp = build_model(recipe, vocab)
-    optimizer, scheduler = build_optimizer(recipe, config, ddp)
-    schedule = PassSchedule(t.seed, recipe.passes.passes, recipe.passes.pass_mixture, recipe.passes.pass_mixture_start)
-    state = TrainState(pass_schedule=schedule.state_dict(), model=recipe.to_dict()["model"])
+    optimizer, scheduler = build_optimizer(recipe, config, ddp, schedule)
+    passes = PassSchedule(t.seed, recipe.passes.passes, recipe.passes.pass_mixture, recipe.passes.pass_mixture_start)
+    state = TrainState(pass_schedule=passes.state_dict(), model=recipe.to_dict()["model"], lr_schedule=schedule)
 
     if saved is not None:
-        checkpointing.load(c.load, model, optimizer, scheduler)
-        state = TrainState(**{**saved, "pass_schedule": state.pass_schedule})
+        checkpointing.load(c.load, model, optimizer, scheduler, iteration=c.ckpt_step)
+        state = TrainState(**{**saved, "pass_schedule": state.pass_schedule, "lr_schedule": schedule})
     if c.create_seed_checkpoint:
         print(f"seed checkpoint: {checkpointing.save(c.save, state.iteration, model, None, None, vars(state))}", flush=True)
         return []
 
     is_logger = rank == dist.get_world_size() - 1  # last pipeline stage: it has the losses
-    logger = MetricsLogger(c.save, active=is_logger, tensorboard=c.tensorboard, resume_from=state.iteration)
+    logger = MetricsLogger(c.save, active=is_logger, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
+                           resume_from=state.iteration)
     if is_logger:
-        print(
-            f"fbt-megatron: {recipe.model.preset} ({sum(p.numel() for p in model.parameters()):,} params on this rank), "
-            f"data {data.source}, world {dist.get_world_size()} (tp {recipe.parallel.tensor_model_parallel_size}, "
-            f"pp {recipe.parallel.pipeline_model_parallel_size}, cp {recipe.parallel.context_parallel_size}, "
-            f"dp {parallel_state.get_data_parallel_world_size()}), "
-            f"steps {state.iteration}→{t.train_iters}",
-            flush=True,
-        )
+        notes += [note for note in [validation_note(data.valid, recipe)] if note]
+        print("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *notes]), flush=True)
     tokens_per_step = t.global_batch_size * recipe.data.seq_length
     records, window_time, window_tokens = [], 0.0, 0
     while state.iteration < t.train_iters:
-        k = schedule(state.iteration)
+        k = passes(state.iteration)
         start = time.perf_counter()
-        log_step = (state.iteration + 1) % t.log_interval == 0 or state.iteration + 1 == t.train_iters
+        log_step = (state.iteration + 1) % g.log_interval == 0 or state.iteration + 1 == t.train_iters
         ddp.start_step(k)
         optimizer.zero_grad()
         report = run_schedule(recipe, ddp, data.train, state.consumed_samples, k, forward_only=False, measure_deltas=log_step)
@@ -360,6 +476,7 @@ def train(recipe: Recipe) -> List[dict]:
                 "state_deltas": report.get("state_deltas", []),
                 "lr": scheduler.get_lr(optimizer.param_groups[0]),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "iteration_time": window_time / (window_tokens // tokens_per_step),
                 "tokens_per_s": window_tokens / window_time,
                 "tokens": state.tokens,
                 "compute_tokens": state.compute_tokens,
@@ -381,20 +498,11 @@ def train(recipe: Recipe) -> List[dict]:
 
 
 def parse_args(argv=None) -> Recipe:
-    parser = argparse.ArgumentParser(
-        prog="python -m fbt_megatron.train", description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--recipe", help="recipe YAML (recipes/*.yaml); flags below override it")
-    add_override_flags(parser)
-    args = parser.parse_args(argv)
-    return apply_overrides(load_recipe(args.recipe), args)
+    return flags.parse(argv, prog="python -m fbt_megatron.train", description=DESCRIPTION)
 
 
 def main(argv=None) -> int:
-    for category in (UserWarning, FutureWarning, DeprecationWarning):  # megatron/torch API notices
-        warnings.filterwarnings("ignore", category=category, module=r"(megatron|torch)\..*")
-    warnings.filterwarnings("ignore", message=".*(ShardedTensor|grad attribute of a Tensor that is not a leaf).*")
+    quiet_library_warnings()
     train(parse_args(argv))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -7,7 +7,9 @@ import torch
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a − b| / max |a| (0 when both are zero)."""
+    """max |a − b| / max |a| (0 when both are zero or empty)."""
+    if a.numel() == 0 and b.numel() == 0:
+        return 0.0
     scale = a.abs().max().item()
     diff = (a - b).abs().max().item()
     return diff / scale if scale > 0 else diff
@@ -25,15 +27,15 @@ def tensors(folder, model_args: dict) -> dict:
 
 
 def compare(reference, other) -> dict:
-    """Worst relative difference of per-pass losses, first-step gradients and the weights after
+    """Worst relative difference of per-pass losses and state deltas, first-step gradients and the weights after
     two steps, per trial (recompute mode × k) that ``other`` ran."""
     reference, other = Path(reference), Path(other)
     model_args = json.loads((reference / "model.json").read_text())
-    ref_losses = json.loads((reference / "losses.json").read_text())
-    got_losses = json.loads((other / "losses.json").read_text())
+    ref = {kind: json.loads((reference / f"{kind}.json").read_text()) for kind in ("losses", "deltas")}
+    got = {kind: json.loads((other / f"{kind}.json").read_text()) for kind in ("losses", "deltas")}
     out = {}
-    for trial in sorted(got_losses):
-        worst = {"losses": relative(torch.tensor(ref_losses[trial]), torch.tensor(got_losses[trial]))}
+    for trial in sorted(got["losses"]):
+        worst = {kind: relative(torch.tensor(ref[kind][trial]), torch.tensor(got[kind][trial])) for kind in ("losses", "deltas")}
         for kind in ("grads", "params"):
             a, b = tensors(reference / trial / kind, model_args), tensors(other / trial / kind, model_args)
             assert sorted(a) == sorted(b)

@@ -242,8 +242,13 @@ def test_prepare_twice_does_nothing_the_second_time(stdlib20, corpus20, monkeypa
     assert prepare_corpus(str(stdlib20), str(out), vocab_size=512, valid_fraction=0.2) == corpus
     assert "already prepared, nothing to do" in capsys.readouterr().out
     assert ensure_corpus(str(stdlib20), str(out), 512, valid_fraction=0.2, show_progress=False) == corpus
-    with pytest.raises(ValueError, match=r"other settings \(vocab_size 512 → 1024\)"):
+    with pytest.raises(ValueError, match=r"other settings \(vocab_size 512 → 1024\); choose another --output"):
         prepare_corpus(str(stdlib20), str(out), vocab_size=1024, valid_fraction=0.2)
+    # the training entry point's call: advice in its own flags (a prepared --data-path without --corpus null)
+    with pytest.raises(ValueError, match=r"^--data-path .* holds a corpus prepared with other settings \(source .*"
+                                         r"to train on the corpus there as it is, add --corpus null; to prepare "
+                                         r"--corpus stdlib with --vocab-size 2048, choose another --data-path$"):
+        ensure_corpus("stdlib", str(out), 2048, valid_fraction=0.2)
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
 
 

@@ -81,7 +81,7 @@ def test_three_pass_gradients_match_reference_autograd(detach):
     total.backward()
 
     torch.testing.assert_close(torch.stack(out.pass_losses), torch.stack(losses).detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.stack(out.state_deltas), torch.stack(deltas).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(out.state_delta_squares).sqrt(), torch.stack(deltas).detach(), rtol=1e-5, atol=1e-6)
     got = grads(model)
     worst = 0.0
     for name, g in got.items():
@@ -159,6 +159,6 @@ def test_single_pass_needs_no_feedback_and_baseline_refuses_it():
     assert model.feedback_fusion is None
     x = tokens(seq=8)
     out = fbt.multi_pass_loss(model, x[:, :-1], x[:, 1:], torch.ones_like(x[:, 1:]), 1, [0, 1])
-    assert out.state_deltas == [] and len(out.pass_losses) == 1
+    assert out.state_delta_squares == [] and len(out.pass_losses) == 1
     with pytest.raises(ValueError, match="without latent feedback"):
         fbt.multi_pass_loss(model, x[:, :-1], x[:, 1:], torch.ones_like(x[:, 1:]), 2, [0, 1])

@@ -172,12 +172,14 @@ def entry(small_corpus, tmp_path_factory):
 
 
 def worst_difference(expected: list, got: list) -> float:
-    """Largest relative difference over steps of loss, per-pass losses, grad norm, validation."""
+    """Largest relative difference over steps of loss, per-pass losses, ‖Δs‖, grad norm, validation."""
     assert [r["step"] for r in expected] == [r["step"] for r in got] and [r["k"] for r in expected] == [r["k"] for r in got]
     worst = 0.0
     for e, g in zip(expected, got):
         keys = ["loss", "grad_norm"] + [key for key in e if key.startswith("valid_loss")]
+        assert len(e["state_deltas"]) == len(g["state_deltas"]) == e["k"] - 1
         pairs = [(e[key], g[key]) for key in keys] + list(zip(e["pass_losses"], g["pass_losses"]))
+        pairs += list(zip(e["state_deltas"], g["state_deltas"]))
         worst = max([worst] + [abs(a - b) / abs(a) for a, b in pairs])
     return worst
 

@@ -1,23 +1,19 @@
 """Recipes: typed YAML, Megatron-style overrides, one clear error per bad input; the pass schedule."""
 
-import argparse
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from fbt_megatron.fbt import PassSchedule
-from fbt_megatron.recipe import RecipeError, add_override_flags, apply_overrides, load_recipe
+from fbt_megatron.flags import parse as parse_flags
+from fbt_megatron.recipe import RecipeError, load_recipe
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
 
 def parse(recipe, *flags):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--recipe")
-    add_override_flags(parser)
-    args = parser.parse_args(["--recipe", str(recipe), *flags])
-    return apply_overrides(load_recipe(args.recipe), args)
+    return parse_flags(["--recipe", str(recipe), *flags], prog="train", description="")
 
 
 def write(tmp_path, text):

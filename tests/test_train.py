@@ -3,6 +3,7 @@ exact resume, and one clear error line for each kind of bad input."""
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,8 @@ def test_bad_inputs_stop_with_one_line_and_damage_nothing(tmp_path, small_corpus
         "malicious checkpoint": (["--load", str(broken)], "refusing to load os.system"),
         "no such run folder": (["--load", str(tmp_path / "nope")], "no such run folder"),
         "finished run": (["--load", str(run), "--train-iters", "3"], "not before --train-iters 3"),
+        "prepared --data-path without --corpus null": (["--corpus", "stdlib"], "add --corpus null"),
+        "unknown flag": (["--train-iter", "3"], "unknown flag --train-iter: did you mean --train-iters?"),
     }
     for name, (flags, message) in cases.items():
         code, text = train(tmp_path / "bad.log", *SMALL, *flags, corpus=small_corpus, expect_ok=False)
@@ -93,3 +96,61 @@ def test_bad_inputs_stop_with_one_line_and_damage_nothing(tmp_path, small_corpus
         assert code == 2 and len(errors) == 1 and message in errors[0], (name, text[-2000:])
         assert "Traceback" not in text, name
     assert tree_hash(run) == before  # the run folder the bad commands pointed at is untouched
+
+
+@pytest.mark.slow
+def test_extending_a_run_says_which_learning_rate_curve_applies(tmp_path, small_corpus):
+    """A finished 4-step run resumed with --train-iters 6: refused without a choice; the new curve
+    (equal to an uninterrupted 6-step run's) with --override-opt-param-scheduler; the checkpoint's
+    decayed curve (lr 0) with --use-checkpoint-opt-param-scheduler. A changed --lr alone likewise."""
+    short, events = tmp_path / "short", tmp_path / "events"
+    _, text = train(tmp_path / "short.log", *SMALL, "--train-iters", "4", "--save-interval", "2", "--save", str(short),
+                       "--tensorboard-dir", str(events), corpus=small_corpus)
+    assert "vocabulary 512" in text and "learning rate: warmup to 3.0e-03 over 2 steps, constant to step 3, linear decay" in text
+    train(tmp_path / "long.log", *SMALL, "--train-iters", "6", "--save", str(tmp_path / "long"), corpus=small_corpus)
+    long = read_metrics(tmp_path / "long")
+
+    def extend(name, *flags, expect_ok=True):
+        folder = tmp_path / name
+        shutil.copytree(short, folder)
+        code, text = train(tmp_path / f"{name}.log", *SMALL, "--load", str(folder), "--save", str(folder), *flags,
+                           corpus=small_corpus, expect_ok=expect_ok)
+        return code, text, read_metrics(folder)
+
+    code, text, _ = extend("refused", "--train-iters", "6", expect_ok=False)
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in text, text[-2000:]
+    assert "--train-iters 4 → 6" in errors[0] and "--override-opt-param-scheduler" in errors[0], errors[0]
+    assert "--use-checkpoint-opt-param-scheduler" in errors[0]
+
+    _, text, records = extend("override", "--train-iters", "6", "--override-opt-param-scheduler")
+    assert "this run's applies (--override-opt-param-scheduler)" in text
+    assert [r["lr"] for r in records[4:]] == [r["lr"] for r in long[4:]] and long[4]["lr"] > 0
+
+    _, text, records = extend("checkpoint", "--train-iters", "6", "--use-checkpoint-opt-param-scheduler")
+    assert "then 0.0e+00 to step 6" in text and [r["lr"] for r in records[4:]] == [0.0, 0.0]
+
+    code, text, _ = extend("new_lr", "--ckpt-step", "2", "--train-iters", "4", "--lr", "1e-3", expect_ok=False)
+    assert code == 2 and "--lr 0.003 → 0.001" in text, text[-2000:]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    for tag in ("lm loss", "learning-rate", "grad-norm", "iteration-time", "tokens-per-sec", "lm loss validation",
+                "fbt/lm loss pass1", "fbt/passes", "fbt/compute-tokens"):
+        assert tag in tags, tags
+
+
+def test_a_validation_split_smaller_than_the_validation_asks_for_is_a_warning(small_corpus):
+    from fbt_megatron import train as entry
+
+    flags = ["--recipe", TINY, "--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null",
+             "--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "2"]
+    fits = entry.parse_args([*flags, "--eval-iters", "1"])
+    assert entry.validation_note(entry.build_data(fits, 0).valid, fits) is None
+    tokens = small_corpus.tokens["valid"]
+    repeats = entry.parse_args([*flags, "--eval-iters", str(tokens // 64)])
+    note = entry.validation_note(entry.build_data(repeats, 0).valid, repeats)
+    assert note == (f"warning: validation reads {tokens // 64 * 4} sequences of 64 tokens but its split holds {tokens:,} "
+                    f"tokens ({(tokens - 1) // 64} distinct sequences): they repeat; use a larger validation split or "
+                    f"fewer --eval-iters")

@@ -112,18 +112,18 @@ def _settings(source: str, vocab_size: int, valid_fraction: float, tokenizer: st
     }
 
 
-def _existing(output: str, settings: dict) -> Corpus | None:
-    """The corpus already at `output`, None when there is nothing there; an error for anything else."""
+def _existing(output: str, settings: dict, flag: str, hint: str) -> Corpus | None:
+    """The corpus already at `output`, None when there is nothing there; an error naming `output`
+    as the caller's `flag` and ending in `hint` (what to do) for anything else."""
     if not os.path.exists(output) or (os.path.isdir(output) and not os.listdir(output)):
         return None
-    hint = "choose another --output or remove it"
     try:
         corpus, prepared = load_corpus(output), _manifest(output)["settings"]
     except ValueError as e:
-        raise ValueError(f"output {e}; {hint}") from None
+        raise ValueError(f"{flag} {e}; {hint}") from None
     changed = [f"{k} {prepared.get(k)!r} → {v!r}" for k, v in settings.items() if prepared.get(k) != v]
     if changed:
-        raise ValueError(f"output {output} holds a corpus prepared with other settings ({', '.join(changed)}); {hint}")
+        raise ValueError(f"{flag} {output} holds a corpus prepared with other settings ({', '.join(changed)}); {hint}")
     return corpus
 
 
@@ -173,13 +173,16 @@ def prepare_corpus(
     workers: int = 1,
     show_progress: bool = True,
     json_key: str = "text",
+    flag: str = "--output",
+    hint: str = "choose another --output or remove it",
 ) -> Corpus:
     """Prepare the corpus folder `output` from `source`, with a sentencepiece tokenizer of
     `vocab_size` trained on the train documents, or a copy of the `tokenizer` file. Does nothing
-    (and says so) when `output` already holds the corpus prepared with the same settings."""
+    (and says so) when `output` already holds the corpus prepared with the same settings; anything
+    else is an error naming `output` as `flag` and ending in `hint`."""
     output = os.path.abspath(output)
     settings = _settings(source, vocab_size, valid_fraction, tokenizer, json_key)
-    corpus = _existing(output, settings)
+    corpus = _existing(output, settings, flag, hint)
     if corpus is not None:
         if show_progress:
             print(f"{output}: corpus already prepared, nothing to do")
@@ -199,5 +202,8 @@ def prepare_corpus(
 
 def ensure_corpus(source: str, output: str, vocab_size: int = 2048, **kwargs) -> Corpus:
     """The corpus at `output`, prepared from `source` first if it is not there yet (the training
-    loop's call; this is `prepare_corpus`, which leaves a complete corpus as it is)."""
-    return prepare_corpus(source, output, vocab_size, **kwargs)
+    loop's call; this is `prepare_corpus`, which leaves a complete corpus as it is, with advice in
+    the training entry point's flags)."""
+    hint = (f"to train on the corpus there as it is, add --corpus null; to prepare --corpus {source} "
+            f"with --vocab-size {vocab_size}, choose another --data-path")
+    return prepare_corpus(source, output, vocab_size, flag="--data-path", hint=hint, **kwargs)

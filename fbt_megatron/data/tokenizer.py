@@ -35,6 +35,12 @@ CL100K_PATTERN = (
 ENDOFTEXT = "<|endoftext|>"
 
 
+def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, divisible_by: int = 128) -> int:
+    """Megatron's embedding size: `vocab_size` rounded up to a multiple of divisible_by × TP."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
 class Tokenizer(megatron_tokenizer.MegatronLegacyTokenizer):
     """A tokenizer read from the file `path`; subclasses load it and set ``_eod``/``_pad``."""
 
@@ -60,9 +66,7 @@ class Tokenizer(megatron_tokenizer.MegatronLegacyTokenizer):
         return {i: token for token, i in self.vocab.items()}
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1, divisible_by: int = 128) -> int:
-        """Megatron's embedding size: `vocab_size` rounded up to a multiple of divisible_by × TP."""
-        multiple = divisible_by * tensor_model_parallel_size
-        return -(-self.vocab_size // multiple) * multiple
+        return padded_vocab_size(self.vocab_size, tensor_model_parallel_size, divisible_by)
 
 
 class SentencePieceTokenizer(Tokenizer):

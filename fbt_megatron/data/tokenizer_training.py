@@ -28,6 +28,9 @@ def train_tokenizer(
     docs = progress(iter_documents(inputs, json_key), "tokenizer", show_progress)
     lines = [line for doc in docs for line in doc.text.split("\n")]  # read first: errors stay ours
     model = io.BytesIO()
+    # the merges are learned in one silent native call: a bar names the stage and, at the end, its time
+    stage = progress([], f"tokenizer: learning {vocab_size:,} BPE pieces from {len(lines):,} lines", show_progress,
+                     total=1, bar_format="{desc} {elapsed}")
     try:
         sentencepiece.SentencePieceTrainer.train(
             sentence_iterator=iter(lines),
@@ -54,6 +57,9 @@ def train_tokenizer(
     except RuntimeError as e:  # e.g. a vocabulary too small for the characters and the 256 bytes
         reason = str(e).rsplit("] ", 1)[-1]  # without sentencepiece's source location
         raise ValueError(f"cannot train a sentencepiece tokenizer of vocab size {vocab_size}: {reason}") from None
+    finally:
+        stage.update()
+        stage.close()
     tmp = f"{output}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(model.getvalue())

@@ -22,7 +22,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 
-from fbt_megatron.fbt import default_feedback, masked_mean, multi_pass_loss, pass_weights, run_pass, state_delta
+from fbt_megatron.fbt import default_feedback, masked_mean, multi_pass_loss, pass_weights, run_pass, state_delta_square
 
 
 def stage() -> dict:
@@ -65,10 +65,10 @@ def _loss_tokens(config, loss_mask: torch.Tensor) -> Optional[torch.Tensor]:
 
 def _microbatch_report(config, losses: List[torch.Tensor], deltas: List[torch.Tensor]) -> dict:
     """Per-pass losses (a CP rank's share × cp, so that the mean over CP ranks is the microbatch's
-    loss) and state deltas, for logging."""
+    loss) and mean squared state deltas, for logging."""
     report = {"pass_losses": torch.stack(losses).float() * config.context_parallel_size}
     if deltas:
-        report["state_deltas"] = torch.stack(deltas).float()
+        report["state_delta_squares"] = torch.stack(deltas).float()
     return report
 
 
@@ -80,7 +80,7 @@ def _whole_model_step(num_passes: int, measure_deltas: bool, data_iterator, mode
         module, batch["tokens"], batch["labels"], batch["loss_mask"], num_passes, batch["seeds"],
         num_tokens=_loss_tokens(module.config, batch["loss_mask"]),
     )
-    report = _microbatch_report(module.config, out.pass_losses, out.state_deltas if measure_deltas else [])
+    report = _microbatch_report(module.config, out.pass_losses, out.state_delta_squares if measure_deltas else [])
     return out.loss, lambda loss: (loss, report)
 
 
@@ -113,7 +113,7 @@ class _PassChunkStep:
         losses, deltas, previous = self.passes.get(m, ([], [], None))
         losses.append(loss.detach())
         if self.measure_deltas and previous is not None:
-            deltas.append(state_delta(top, previous))
+            deltas.append(state_delta_square(top, previous))
         self.passes[m] = (losses, deltas, top.detach() if self.measure_deltas else None)
         if j < self.k:  # s^{(j)} travels on to pass j + 1, carrying L_j's gradient
             return _AttachLoss.apply(top, loss, self.loss_gradient_scale(j, loss.device)), None

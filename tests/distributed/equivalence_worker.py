@@ -5,6 +5,7 @@ point's own overrides, e.g. ``--tensor-model-parallel-size 2``) through the trai
 own functions, loads the weights of a seed checkpoint, and for every recompute mode and every
 k ∈ {1, 2, 3} runs two optimizer steps of k passes on the same global batches. It writes:
   <out>/losses.json                    per (mode, k): the per-pass losses of both steps
+  <out>/deltas.json                    per (mode, k): ‖Δs‖ = RMS of s^{(j)} − s^{(j−1)}, j = 2..k, of both steps
   <out>/<mode>_k<k>/grads              the first step's reduced gradients, as a checkpoint
   <out>/<mode>_k<k>/params             the weights after the second step, as a checkpoint
   <out>/overlap.json                   per (mode, k): where the second step's reductions started
@@ -108,7 +109,7 @@ def main():
         (out / "model.json").write_text(json.dumps({"vocab_size": vocab, "seq_length": recipe.data.seq_length, **recipe.model_overrides}))
 
     reporter = dist.get_rank() == dist.get_world_size() - 1  # last stage, last TP and DP rank
-    losses, overlap, offloaded = {}, {}, {}
+    losses, deltas, overlap, offloaded = {}, {}, {}, {}
     base = dict(recipe.model_overrides)
     for mode in args.modes.split(","):
         for k in map(int, args.passes.split(",")):
@@ -116,7 +117,7 @@ def main():
             config, model, ddp = train.build_model(recipe, vocab)
             checkpointing.load(args.seed_checkpoint, model, None, None)
             optimizer, _ = train.build_optimizer(recipe, config, ddp)
-            steps, launches = [], record_launches(ddp)
+            steps, step_deltas, launches = [], [], record_launches(ddp)
             STATS.reset()
             for step in range(2):
                 launches.clear()  # keep the second step's: the first learns when to launch
@@ -124,12 +125,15 @@ def main():
                 optimizer.zero_grad()
                 report = train.run_schedule(recipe, ddp, data.train, step * t.global_batch_size, k, forward_only=False)
                 if report:
-                    steps.append(train.data_parallel_mean(report)["pass_losses"])
+                    reduced = train.data_parallel_mean(report)
+                    steps.append(reduced["pass_losses"])
+                    step_deltas.append(reduced.get("state_deltas", []))
                 if step == 0:
                     save_tensors(model, full_gradients(ddp), out / f"{mode}_k{k}" / "grads")
                 optimizer.step()
             save_tensors(model, {n: q.data for n, q in model.named_parameters()}, out / f"{mode}_k{k}" / "params")
             losses[f"{mode}_k{k}"], overlap[f"{mode}_k{k}"] = steps, list(launches)
+            deltas[f"{mode}_k{k}"] = step_deltas
             offloaded[f"{mode}_k{k}"] = STATS.bytes
     ranks = [None] * dist.get_world_size()
     stage = dict(pp_rank=parallel_state.get_pipeline_model_parallel_rank(), layers=len(model.decoder.layers),
@@ -137,6 +141,7 @@ def main():
     dist.all_gather_object(ranks, stage)
     if reporter:
         (out / "losses.json").write_text(json.dumps(losses))
+        (out / "deltas.json").write_text(json.dumps(deltas))
         (out / "overlap.json").write_text(json.dumps(overlap))
         (out / "offload.json").write_text(json.dumps(ranks))
     dist.barrier()
