@@ -164,7 +164,7 @@ def choose_schedule(recipe: Recipe, saved: Optional[dict]) -> Tuple[dict, Option
         return ours, None
     changed = ", ".join(
         f"{flags.flag(key)} {flags.show(theirs.get(key))} → {flags.show(ours.get(key))}"
-        for key in ours.keys() | theirs.keys() if theirs.get(key) != ours.get(key)
+        for key in [*ours, *(k for k in theirs if k not in ours)] if theirs.get(key) != ours.get(key)
     )
     c = recipe.checkpoint
     if c.override_opt_param_scheduler:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fbt_megatron.metrics import read_metrics
+from fbt_megatron.recipe import RecipeError
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -154,3 +155,34 @@ def test_a_validation_split_smaller_than_the_validation_asks_for_is_a_warning(sm
     assert note == (f"warning: validation reads {tokens // 64 * 4} sequences of 64 tokens but its split holds {tokens:,} "
                     f"tokens ({(tokens - 1) // 64} distinct sequences): they repeat; use a larger validation split or "
                     f"fewer --eval-iters")
+
+
+@pytest.mark.parametrize(
+    "flag, value, change",
+    [
+        ("--lr-warmup-iters", "5", "--lr-warmup-iters 2 → 5"),
+        ("--lr-wsd-decay-fraction", "0.5", "--lr-wsd-decay-fraction 0.25 → 0.5"),
+        ("--lr-decay-style", "cosine", "--lr-decay-style WSD → cosine"),
+        ("--min-lr", "1e-4", "--min-lr 0.0 → 0.0001"),
+        ("--weight-decay", "0.1", "--weight-decay 0.01 → 0.1"),
+    ],
+)
+def test_every_change_of_the_learning_rate_curve_on_resume_needs_a_choice(flag, value, change):
+    from fbt_megatron import train as entry
+
+    base = ["--recipe", TINY, "--train-iters", "8", "--lr-warmup-iters", "2", "--load", "RUN"]
+    saved = {"iteration": 4, "lr_schedule": entry.lr_schedule(entry.parse_args(base))}
+    with pytest.raises(RecipeError, match=f"another learning-rate schedule \\({change}.*\\): add --override"):
+        entry.choose_schedule(entry.parse_args([*base, flag, value]), saved)
+    ours, note = entry.choose_schedule(entry.parse_args([*base, flag, value, "--override-opt-param-scheduler"]), saved)
+    assert ours == entry.lr_schedule(entry.parse_args([*base, flag, value])) and "this run's applies" in note
+    theirs, note = entry.choose_schedule(entry.parse_args([*base, flag, value, "--use-checkpoint-opt-param-scheduler"]), saved)
+    assert theirs == saved["lr_schedule"] and "the checkpoint's applies" in note
+
+
+def test_a_constant_learning_rate_extends_without_a_choice():
+    from fbt_megatron import train as entry
+
+    base = ["--recipe", TINY, "--lr-decay-style", "constant", "--load", "RUN"]
+    saved = {"iteration": 8, "lr_schedule": entry.lr_schedule(entry.parse_args([*base, "--train-iters", "8"]))}
+    assert entry.choose_schedule(entry.parse_args([*base, "--train-iters", "20"]), saved)[1] is None
