@@ -18,6 +18,7 @@ import difflib
 import functools
 import inspect
 import re
+import sys
 import textwrap
 import typing
 from typing import Any, Literal, Optional, Sequence
@@ -232,8 +233,6 @@ def apply_overrides(recipe: Recipe, args: argparse.Namespace) -> Recipe:
 
 def parse(argv: Optional[Sequence[str]], prog: str, description: str) -> Recipe:
     """The recipe a command line asks for: ``--recipe`` loaded, the other flags applied."""
-    import sys
-
     argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
     first = FlagParser(add_help=False)
     first.add_argument("--recipe")

@@ -357,10 +357,19 @@ def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
     return {f"valid_loss_fused{j}": v for j, v in enumerate(mean)}
 
 
+def checkpoint_state(recipe: Recipe, folder: str, iteration: Optional[int] = None) -> dict:
+    """The training state of a checkpoint of run ``folder`` (the latest, or ``iteration``'s),
+    refused when its model is not the recipe's."""
+    saved, model = checkpointing.read_train_state(folder, iteration=iteration), recipe.to_dict()["model"]
+    if saved["model"] != model:
+        raise RecipeError(f"the checkpoint in {folder} is of model {saved['model']}, the recipe asks for {model}")
+    return saved
+
+
 def resume_state(recipe: Recipe) -> Optional[dict]:
     """The training state of the checkpoint ``--load`` resumes from (None: start from scratch),
     checked against the recipe before any work is done."""
-    c, model = recipe.checkpoint, recipe.to_dict()["model"]
+    c = recipe.checkpoint
     if c.load is None:
         return None
     if not Path(c.load).is_dir():
@@ -368,9 +377,7 @@ def resume_state(recipe: Recipe) -> Optional[dict]:
     if c.ckpt_step is None and checkpointing.latest_iteration(c.load) is None:
         print(f"--load {c.load}: no checkpoint yet, starting from scratch", flush=True)
         return None
-    saved = checkpointing.read_train_state(c.load, iteration=c.ckpt_step)
-    if saved["model"] != model:
-        raise RecipeError(f"the checkpoint in {c.load} is of model {saved['model']}, the recipe asks for {model}")
+    saved = checkpoint_state(recipe, c.load, c.ckpt_step)
     if saved["iteration"] >= recipe.training.train_iters:
         raise RecipeError(
             f"the checkpoint in {c.load} is at iteration {saved['iteration']}, not before --train-iters {recipe.training.train_iters}"
@@ -415,10 +422,9 @@ def train(recipe: Recipe) -> List[dict]:
         torch.set_num_threads(t.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     recipe.validate(world)
-    notes = [note for note in [recipe.clamp_warmup()] if note]
+    warmup_note = recipe.clamp_warmup()
     saved = resume_state(recipe)
-    schedule, note = choose_schedule(recipe, saved)
-    notes += [note] if note else []
+    schedule, schedule_note = choose_schedule(recipe, saved)
     p = recipe.parallel
     platform.init_distributed(
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed, context_parallel_size=p.context_parallel_size
@@ -442,10 +448,10 @@ def train(recipe: Recipe) -> List[dict]:
     logger = MetricsLogger(c.save, active=is_logger, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
                            resume_from=state.iteration)
     if is_logger:
-        notes += [note for note in [validation_note(data.valid, recipe)] if note]
-        print("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *notes]), flush=True)
+        notes = [warmup_note, schedule_note, validation_note(data.valid, recipe)]
+        print("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *filter(None, notes)]), flush=True)
     tokens_per_step = t.global_batch_size * recipe.data.seq_length
-    records, window_time, window_tokens = [], 0.0, 0
+    records, window_time, window_steps = [], 0.0, 0
     while state.iteration < t.train_iters:
         k = passes(state.iteration)
         start = time.perf_counter()
@@ -456,7 +462,7 @@ def train(recipe: Recipe) -> List[dict]:
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         window_time += time.perf_counter() - start
-        window_tokens += tokens_per_step
+        window_steps += 1
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
         state.tokens += tokens_per_step
@@ -476,12 +482,12 @@ def train(recipe: Recipe) -> List[dict]:
                 "state_deltas": report.get("state_deltas", []),
                 "lr": scheduler.get_lr(optimizer.param_groups[0]),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "iteration_time": window_time / (window_tokens // tokens_per_step),
-                "tokens_per_s": window_tokens / window_time,
+                "iteration_time": window_time / window_steps,
+                "tokens_per_s": window_steps * tokens_per_step / window_time,
                 "tokens": state.tokens,
                 "compute_tokens": state.compute_tokens,
             }
-            window_time, window_tokens = 0.0, 0
+            window_time, window_steps = 0.0, 0
             if t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters):
                 record.update(evaluate(recipe, config, ddp, data.valid))
             records.append(record)

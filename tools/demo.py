@@ -31,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,9 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 from tqdm import tqdm
+
+from fbt_megatron.cli import quiet_library_warnings, run_cli
+from fbt_megatron.tasks.evaluate import FULL, bucket_labels
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -267,7 +269,6 @@ def lm_findings(runs: list, mixture: Optional[Dict[int, float]], passes: int, pa
 
 
 # ---------------------------------------------------------------- state tracking: numbers and words
-FULL = "full recurrence"
 
 
 def task_modes(results: Dict[str, List[dict]]) -> List[tuple]:
@@ -284,8 +285,6 @@ def spread(values: List[float]) -> str:
 
 def task_table(results: Dict[str, List[dict]]) -> str:
     """Accuracy per mode and position bucket: the mean over seeds (min–max)."""
-    from fbt_megatron.tasks.evaluate import bucket_labels
-
     first = results["baseline"][0]
     buckets = list(first["accuracy"]["0 fused"])
     head = ["model", *bucket_labels(buckets, first["train_length"])]
@@ -307,8 +306,6 @@ def describe(values: List[float], chance: float) -> str:
 
 def task_findings(task: str, results: Dict[str, List[dict]]) -> str:
     """One paragraph, from the numbers, on what a state-tracking task shows."""
-    from fbt_megatron.tasks.evaluate import bucket_labels
-
     first = results["FBT"][0]
     chance, t, seeds = first["chance"], first["train_length"], len(results["FBT"])
     buckets = list(first["accuracy"][FULL])
@@ -432,7 +429,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=min(2, cores), help="runs at a time (default: one per core, at most 2)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / jobs)")
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", module=r"megatron\..*")  # API notices when recipes are read
+    quiet_library_warnings()  # megatron-core's API notices when recipes are read
 
     from fbt_megatron.data.corpus import ensure_corpus
     from fbt_megatron.recipe import load_recipe
@@ -505,6 +502,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from fbt_megatron.cli import run_cli
-
     run_cli(main)

@@ -74,13 +74,10 @@ def load_trained(recipe, run_folder: str):
     """The run's model (this process alone, weights of its newest checkpoint) and its task."""
     from fbt_megatron import checkpointing, platform
     from fbt_megatron.tasks.state_tracking import load_task
-    from fbt_megatron.train import build_model
+    from fbt_megatron.train import build_model, checkpoint_state
 
     task = load_task(recipe.data.data_path)
-    saved = checkpointing.read_train_state(run_folder)
-    wanted = recipe.to_dict()["model"]
-    if saved["model"] != wanted:
-        raise ValueError(f"the checkpoint in {run_folder} is of model {saved['model']}, the recipe asks for {wanted}")
+    checkpoint_state(recipe, run_folder)  # the recipe's model, or one line saying it is not
     platform.init_distributed(1, 1, recipe.training.seed)
     vocab = task.vocabulary.padded_vocab_size(1, recipe.data.make_vocab_size_divisible_by)
     _, model, _ = build_model(recipe, vocab)
