@@ -403,6 +403,12 @@ def load_recipe(path: Optional[str]) -> Recipe:
             raise RecipeError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(raw, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections")
+    return recipe_from_dict(raw)
+
+
+def recipe_from_dict(raw: dict) -> Recipe:
+    """A type-checked Recipe from its sections (a parsed recipe file, or ``Recipe.to_dict()`` as a
+    checkpoint records it)."""
     unknown = sorted(set(raw) - set(SECTIONS) - {"model"})
     if unknown:
         raise RecipeError(f"unknown recipe section {unknown[0]!r} (known: model, {', '.join(SECTIONS)})")

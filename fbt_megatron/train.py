@@ -337,6 +337,8 @@ class TrainState:
     pass_schedule: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
     lr_schedule: dict = field(default_factory=dict)  # the curve the optimizer followed (``lr_schedule``)
+    recipe: dict = field(default_factory=dict)  # the whole recipe of the run's latest stretch (``runs.load_run``)
+    vocab_size: int = 0  # the embedding's (padded) vocabulary size
 
 
 def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
@@ -435,11 +437,12 @@ def train(recipe: Recipe) -> List[dict]:
     config, model, ddp = build_model(recipe, vocab)
     optimizer, scheduler = build_optimizer(recipe, config, ddp, schedule)
     passes = PassSchedule(t.seed, recipe.passes.passes, recipe.passes.pass_mixture, recipe.passes.pass_mixture_start)
-    state = TrainState(pass_schedule=passes.state_dict(), model=recipe.to_dict()["model"], lr_schedule=schedule)
+    state = TrainState(pass_schedule=passes.state_dict(), model=recipe.to_dict()["model"], lr_schedule=schedule,
+                       recipe=recipe.to_dict(), vocab_size=vocab)
 
     if saved is not None:
         checkpointing.load(c.load, model, optimizer, scheduler, iteration=c.ckpt_step)
-        state = TrainState(**{**saved, "pass_schedule": state.pass_schedule, "lr_schedule": schedule})
+        state = TrainState(**{**saved, **{k: getattr(state, k) for k in ("pass_schedule", "lr_schedule", "recipe", "vocab_size")}})
     if c.create_seed_checkpoint:
         print(f"seed checkpoint: {checkpointing.save(c.save, state.iteration, model, None, None, vars(state))}", flush=True)
         return []
