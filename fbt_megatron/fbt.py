@@ -32,6 +32,7 @@ class Feedback:
     fuse_mask: torch.Tensor  # [s, b] bool: True where u_t replaces e_t (t ≥ 2 and t > p)
     jitter: Optional[torch.Tensor] = None  # ε [s, b, h] on the carried state, or None
     layout: SequenceLayout = WHOLE_SEQUENCE  # which positions the rows are (SP/CP shards)
+    shifted: bool = False  # state is already s_{t−1} at row t (decoding one position at a time)
 
 
 @dataclass
@@ -54,7 +55,7 @@ class LatentFeedbackFusion(MegatronModule):
             setattr(weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, embeddings: torch.Tensor, feedback: Feedback) -> torch.Tensor:
-        carried = feedback.layout.shift(feedback.state)  # s_{t−1} at position t
+        carried = feedback.state if feedback.shifted else feedback.layout.shift(feedback.state)  # s_{t−1} at t
         if feedback.jitter is not None:
             carried = carried + feedback.jitter  # s_{t−1} + ε
         fused = self.norm(self.linear_state(carried) * torch.sigmoid(self.linear_gate(embeddings)))  # eq. F4

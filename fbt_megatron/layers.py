@@ -3,8 +3,9 @@
 * ``RMSNorm`` — a norm that also works under sequence parallelism (the local spec's torch norm
   refuses SP without Apex/TE); its weight is replicated across TP and, under SP, marked so that
   megatron-core all-reduces its gradient.
-* ``HeadwiseGatedSelfAttention`` — megatron-core SelfAttention whose per-head outputs are scaled
-  by sigmoid(w_hᵀ x) (one scalar per head and token) before the output projection.
+* ``FBTSelfAttention`` — megatron-core SelfAttention whose per-head outputs are scaled by
+  sigmoid(w_hᵀ x) (one scalar per head and token) before the output projection (the headwise
+  gate, optional), with a KV cache for generation that keeps only each layer's window.
 * ``FBTTransformerLayer`` — megatron-core TransformerLayer with sandwich norms and depth-scaled
   residual branches: h ← h + α·RMSNorm_post(Sublayer(RMSNorm_pre(h))).
 """
@@ -16,13 +17,17 @@ from typing import Union
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+from megatron.core.transformer.utils import is_layer_window_attention
 
 
 class RMSNorm(torch.nn.Module):
@@ -40,33 +45,40 @@ class RMSNorm(torch.nn.Module):
 
 
 @dataclass
-class HeadwiseGatedSelfAttentionSubmodules(SelfAttentionSubmodules):
-    linear_gate: Union[ModuleSpec, type] = None
+class FBTSelfAttentionSubmodules(SelfAttentionSubmodules):
+    linear_gate: Union[ModuleSpec, type, None] = None  # None: no headwise gate
 
 
-class HeadwiseGatedSelfAttention(SelfAttention):
-    """o_h ← o_h · sigmoid(w_hᵀ x) for every head h, x = the attention's (normed) input."""
+class FBTSelfAttention(SelfAttention):
+    """megatron-core SelfAttention with the headwise gate o_h ← o_h · sigmoid(w_hᵀ x) (x = the
+    attention's normed input) when ``submodules.linear_gate`` is given, and a KV cache that keeps
+    only what each layer can attend to (``_adjust_key_value_for_inference``)."""
 
-    def __init__(self, config, submodules: HeadwiseGatedSelfAttentionSubmodules, *args, **kwargs):
+    def __init__(self, config, submodules: FBTSelfAttentionSubmodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        # column-parallel: each TP rank computes the gates of the heads it owns
-        self.linear_gate = build_module(
-            submodules.linear_gate,
-            config.hidden_size,
-            config.num_attention_heads,
-            config=config,
-            init_method=config.init_method,
-            gather_output=False,
-            bias=False,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_group=self.pg_collection.tp,
-        )
-        self._head_gate_logits = None
-        self.linear_proj.register_forward_pre_hook(self._gate_heads)
+        self.window = self.config.window_size[0] if is_layer_window_attention(
+            self.config.window_size, self.config.window_attn_skip_freq, self.layer_number) else None  # W − 1
+        self.linear_gate = None
+        if submodules.linear_gate is not None:
+            # column-parallel: each TP rank computes the gates of the heads it owns
+            self.linear_gate = build_module(
+                submodules.linear_gate,
+                config.hidden_size,
+                config.num_attention_heads,
+                config=config,
+                init_method=config.init_method,
+                gather_output=False,
+                bias=False,
+                skip_bias_add=False,
+                is_expert=False,
+                tp_group=self.pg_collection.tp,
+            )
+            self._head_gate_logits = None
+            self.linear_proj.register_forward_pre_hook(self._gate_heads)
 
     def forward(self, hidden_states, *args, **kwargs):
-        self._head_gate_logits, _ = self.linear_gate(hidden_states)  # [s, b, heads/tp]
+        if self.linear_gate is not None:
+            self._head_gate_logits, _ = self.linear_gate(hidden_states)  # [s, b, heads/tp]
         return super().forward(hidden_states, *args, **kwargs)
 
     def _gate_heads(self, _module, args):
@@ -76,6 +88,48 @@ class HeadwiseGatedSelfAttention(SelfAttention):
         heads = core_attn_out.view(s, b, gate.shape[-1], -1)
         gated = heads * torch.sigmoid(gate.float()).to(heads.dtype).unsqueeze(-1)
         return (gated.view(s, b, -1), *rest)
+
+    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs):
+        """The KV cache of static batching (``fbt_megatron.generate``): keys are cached with RoPE
+        applied; a sliding-window layer keeps only the last W − 1 past positions, a global layer a
+        buffer of the context's maximum length. Returns exactly the keys the new queries may see
+        (megatron's local attention aligns its sliding-window mask bottom-right), with the key's
+        rotary emptied so that it is not applied twice."""
+        if inference_context is None or not inference_context.is_static_batching():
+            return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
+                                                           *args, **kwargs)
+        assert not self.config.flash_decode, "flash decoding is not supported by FBTSelfAttention's cache"
+        start = inference_context.sequence_len_offset
+        end = start + key.shape[0]
+        if end > inference_context.max_sequence_length:
+            raise ValueError(f"position {end - 1} is beyond the inference context's length "
+                             f"{inference_context.max_sequence_length}")
+        if rotary_pos_emb is not None:
+            q_pos_emb, k_pos_emb = rotary_pos_emb
+            if k_pos_emb is not None:
+                key = apply_rotary_pos_emb(key, k_pos_emb[start:end], config=self.config,
+                                           mscale=_yarn_get_concentration_factor_from_config(self.config),
+                                           cp_group=self.pg_collection.cp)
+            rotary_pos_emb = (None if q_pos_emb is None else q_pos_emb[start:end], None)
+        memory = inference_context.key_value_memory_dict
+        if self.window is not None:  # the last W − 1 past positions, then the new ones
+            if start > 0:
+                past_key, past_value = memory[self.layer_number]
+                key, value = torch.cat([past_key, key]), torch.cat([past_value, value])
+            keep = max(key.shape[0] - self.window, 0)
+            memory[self.layer_number] = (key[keep:], value[keep:])
+        else:  # every position so far, in a preallocated buffer
+            if self.layer_number not in memory:
+                length = inference_context.max_sequence_length
+                memory[self.layer_number] = (key.new_empty(length, *key.shape[1:]),
+                                             value.new_empty(length, *value.shape[1:]))
+            key_memory, value_memory = memory[self.layer_number]
+            key_memory[start:end], value_memory[start:end] = key, value
+            key, value = key_memory[:end], value_memory[:end]
+        # as megatron: no mask once decoding (the new queries see every returned key but the
+        # window's, which megatron's local attention masks bottom-right aligned)
+        mask_type = self.attn_mask_type if start == 0 else AttnMaskType.no_mask
+        return query, key, value, rotary_pos_emb, mask_type, None
 
 
 @dataclass

@@ -14,7 +14,6 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -31,8 +30,8 @@ from fbt_megatron.fbt import Feedback, LatentFeedbackFusion, LatentFeedbackFusio
 from fbt_megatron.layers import (
     FBTTransformerLayer,
     FBTTransformerLayerSubmodules,
-    HeadwiseGatedSelfAttention,
-    HeadwiseGatedSelfAttentionSubmodules,
+    FBTSelfAttention,
+    FBTSelfAttentionSubmodules,
     RMSNorm,
 )
 from fbt_megatron.offload import offloading
@@ -65,19 +64,13 @@ def fbt_model_spec(config: FBTConfig, use_transformer_engine: Optional[bool] = N
     attn_submodules = dict(
         linear_qkv=col, core_attention=core_attention, linear_proj=row, q_layernorm=qk_norm, k_layernorm=qk_norm
     )
-    if config.headwise_attention_gate:
-        # the gate has `heads` outputs: too narrow for FP8 GEMMs, so it stays a megatron linear
-        attention = ModuleSpec(
-            module=HeadwiseGatedSelfAttention,
-            params={"attn_mask_type": AttnMaskType.causal},
-            submodules=HeadwiseGatedSelfAttentionSubmodules(**attn_submodules, linear_gate=ColumnParallelLinear),
-        )
-    else:
-        attention = ModuleSpec(
-            module=SelfAttention,
-            params={"attn_mask_type": AttnMaskType.causal},
-            submodules=SelfAttentionSubmodules(**attn_submodules),
-        )
+    # the headwise gate has `heads` outputs: too narrow for FP8 GEMMs, so it stays a megatron linear
+    gate = ColumnParallelLinear if config.headwise_attention_gate else None
+    attention = ModuleSpec(
+        module=FBTSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=FBTSelfAttentionSubmodules(**attn_submodules, linear_gate=gate),
+    )
     post_norm = norm if config.sandwich_norm else IdentityOp
     layer = ModuleSpec(
         module=FBTTransformerLayer,
@@ -155,12 +148,16 @@ class FBTModel(GPTModel):
         feedback: Optional[Feedback] = None,
         hidden_states=None,
         embeddings=None,
+        inference_context=None,
     ):
         """One pass. Returns ``(output, top_state)``: output is the per-token loss [b, s] when
         labels are given, else logits [b, s, V/tp]; top_state is s [s, b, h], the state fed back
         to the next pass. On a non-final pipeline stage: (hidden states, None).
         A first stage embeds ``input_ids`` (or takes ``embeddings`` from ``embed``) and fuses
-        ``feedback`` in; a later stage starts from ``hidden_states``, the previous stage's output."""
+        ``feedback`` in; a later stage starts from ``hidden_states``, the previous stage's output.
+        ``inference_context`` (megatron's StaticInferenceContext, eval mode): the KV cache of
+        ``fbt_megatron.generate``; the inputs are the positions after its ``sequence_len_offset``,
+        and the logits only the last position's (megatron's static-batching default)."""
         decoder_input = None
         if self.pre_process:
             decoder_input = self.embed(input_ids, position_ids) if embeddings is None else embeddings
@@ -173,13 +170,15 @@ class FBTModel(GPTModel):
         else:
             self.decoder.set_input_tensor(hidden_states)
         decoder_input, rotary_pos_emb, *_ = self._preprocess(
-            input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input
+            input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
+            inference_context=inference_context,
         )
         # under full recompute the decoder keeps only each layer's input: in host memory if offloaded
         # (but for what a pipeline stage received, which the schedule holds until backward anyway)
         held = () if self.pre_process else (hidden_states,)
         with offloading(self.config, recomputed=self.config.recompute_granularity == "full", keep=held):
-            hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                  rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
         if not self.post_process:
             return hidden, None
         normed = self.final_layernorm(hidden)
@@ -192,5 +191,7 @@ class FBTModel(GPTModel):
             rotary_pos_emb=rotary_pos_emb,
             rotary_pos_cos=None,
             rotary_pos_sin=None,
+            inference_context=inference_context,
+            runtime_gather_output=True if inference_context is not None else None,
         )
         return output, top_state
