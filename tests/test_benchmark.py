@@ -1,10 +1,13 @@
-"""tools/benchmark.py runs end to end and reports every ratio (the timing goals are not tested)."""
+"""tools/benchmark.py runs end to end and reports every ratio (the timing goals are not tested),
+for the training step and, with --decode, for generation."""
 
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RATIO_KEYS = {
@@ -21,18 +24,28 @@ RATIO_KEYS = {
     "offload_time_k3",
 }
 
+DECODE_KEYS = {
+    "decode_time_soft_vs_standard",
+    "prefill_time_fused1_vs_standard",
+    "prefill_time_fused2_vs_standard",
+    "prefill_time_fused3_vs_standard",
+    "hf_decode_speed_vs_llama",
+    "hf_decode_time_vs_megatron",
+}
+
 
 def run(*flags):
     return subprocess.run([sys.executable, "tools/benchmark.py", *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
 
 
-def test_quick_run_writes_every_ratio(tmp_path):
+@pytest.mark.parametrize("suite, keys", [([], RATIO_KEYS), (["--decode"], DECODE_KEYS)], ids=["training", "decode"])
+def test_quick_run_writes_every_ratio(tmp_path, suite, keys):
     out = tmp_path / "bench.json"
-    done = run("--quick", "--json", str(out))
+    done = run("--quick", *suite, "--json", str(out))
     assert done.returncode == 0, done.stderr
     ratios = json.loads(out.read_text())["ratios"]
-    assert set(ratios) == RATIO_KEYS
+    assert set(ratios) == keys
     for key, r in ratios.items():
         assert math.isfinite(r["value"]) and r["value"] > 0, (key, r)
         assert r["status"] in {"PASS", "MISS", "info"}
@@ -40,7 +53,7 @@ def test_quick_run_writes_every_ratio(tmp_path):
 
 
 def test_bad_flags_are_one_error_line():
-    for flags in (["--repeats", "0"], ["--no-such-flag"], ["--preset", "fbt-7b"]):
+    for flags in (["--repeats", "0"], ["--no-such-flag"], ["--preset", "fbt-7b"], ["--decode", "--new-tokens", "1"]):
         done = run(*flags)
         assert done.returncode == 2, (flags, done.stderr)
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, (flags, done.stderr)

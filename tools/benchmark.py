@@ -15,6 +15,16 @@ One run measures, side by side (forward + backward of one microbatch, model only
   * at k = 3 with megatron-core's full recompute, the activations left on the device when the
     layer inputs are offloaded to host memory (``offload_recompute_inputs``) against kept, and
     the step-time price of the copies (on a CPU-only machine a memory copy, not PCIe).
+
+``--decode`` measures generation instead (fp32, batch 1, a short prompt; default shape ``fbt-1b``):
+  * per-token decode time of Soft against Standard decoding with the KV cache (goal ≤ 1.01: the
+    fusion adds 2·D² multiply-adds per token), ``fbt_megatron.generate`` on megatron-core;
+  * prefill time of Fused(n) against Standard, n = 1, 2, 3 (goal ≤ (n + 1) × 1.02);
+  * the Hugging Face export's Standard decoding speed against transformers' ``LlamaForCausalLM``
+    of the same shape (goal ≥ 0.97; FBT's layers add sandwich norms, QK norms and a head gate).
+A decode time per token is (time of prompt + N tokens − time of prompt + 1 token) / (N − 1), both
+measured in the same round.
+
 Times are medians over interleaved repeats; it prints the ratios with their goals (PASS/MISS) and
 always exits 0 (it is a report). Bad flags: one ``error:`` line and exit code 2.
 """
@@ -128,9 +138,14 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = _Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny",
-                        help="model preset; shape flags not given default to the benchmark shape for 'tiny' "
-                             "(4 layers, hidden 256, FFN 768, seq 256) and to the preset's own shape otherwise")
+    parser.add_argument("--preset",
+                        help="model preset (default: tiny; fbt-1b with --decode); shape flags not given default to "
+                             "the benchmark shape for 'tiny' (4 layers, hidden 256, FFN 768, seq 256) and to the "
+                             "preset's own shape otherwise")
+    parser.add_argument("--decode", action="store_true", help="measure generation instead of the training step")
+    parser.add_argument("--prompt-length", type=int, metavar="N", default=16, help="--decode: prompt tokens (default: 16)")
+    parser.add_argument("--new-tokens", type=int, metavar="N", default=9,
+                        help="--decode: tokens generated in the decode measurement (default: 9, >= 2)")
     for name in SHAPE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=int, metavar="N")
     parser.add_argument("--sliding-window", type=int, metavar="N", help="attention window (0: every layer global)")
@@ -143,14 +158,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="smoke run: the preset's own (tiny) shape, micro-batch 2, 1 repeat, 1 warmup round")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results here as JSON")
     args = parser.parse_args(argv)
+    if args.preset is None:
+        args.preset = "fbt-1b" if args.decode and not args.quick else "tiny"
     if args.quick:
         defaults = dict(micro_batch_size=2, repeats=1, warmup=1)
+    elif args.decode:
+        defaults = dict(micro_batch_size=1, repeats=5, warmup=1)
     else:
         defaults = dict(micro_batch_size=4, repeats=21, warmup=2)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in (*SHAPE_FLAGS, "micro_batch_size", "repeats", "threads"):
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2, got {args.new_tokens}")
+    for name in (*SHAPE_FLAGS, "micro_batch_size", "repeats", "threads", "prompt_length"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -168,7 +189,7 @@ def shape_overrides(args) -> dict:
 
     if args.preset not in PRESETS:
         raise ValueError(f"unknown model preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-    shape = dict(BENCH_SHAPE) if args.preset == "tiny" and not args.quick else {}
+    shape = dict(BENCH_SHAPE) if args.preset == "tiny" and not (args.quick or args.decode) else {}
     shape.update({name: getattr(args, name) for name in SHAPE_FLAGS if getattr(args, name) is not None})
     full = {**PRESETS[args.preset], **shape}
     if args.hidden_size is not None and args.kv_channels is None:  # keep heads × head size = hidden
@@ -428,12 +449,141 @@ def format_report(results: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- decoding (--decode)
+FUSED_PREFILL = (1, 2, 3)
+DECODE_RATIOS = [
+    Ratio("decode_time_soft_vs_standard", "decode time per token, Soft / Standard", "decode", "soft", "standard",
+          ("<=", 1.01)),
+    *[Ratio(f"prefill_time_fused{n}_vs_standard", f"prefill time, Fused({n}) / Standard", "prefill",
+            f"fused{n}", "standard", ("<=", round((n + 1) * 1.02, 2))) for n in FUSED_PREFILL],
+    Ratio("hf_decode_speed_vs_llama", "decode speed, HF export (Standard) / transformers LlamaForCausalLM",
+          "decode", "hf_llama", "hf_fbt", (">=", 0.97)),
+    Ratio("hf_decode_time_vs_megatron", "decode time per token, HF export / megatron-core (Standard)", "decode",
+          "hf_fbt", "standard"),
+]
+
+
+def decode_models(args, shape: dict) -> dict:
+    """megatron-core's FBTModel (local spec, as ``runs.load_run`` builds it), its Hugging Face
+    export (the same weights through ``convert.mapping``) and transformers' Llama of the same shape
+    (tied embeddings, SDPA attention; random weights): all fp32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fbt_megatron.config import make_config
+    from fbt_megatron.convert import mapping
+    from fbt_megatron.convert.hf.configuration_fbt import FBTConfig as HFConfig
+    from fbt_megatron.convert.hf.modeling_fbt import FBTForCausalLM
+    from fbt_megatron.runs import build_inference_model
+
+    torch.manual_seed(args.seed)
+    config = make_config(args.preset, **shape, params_dtype=torch.float32)
+    mcore = build_inference_model(config)
+    h = mapping.hf_config(config, bos=None, eos=None, pad=None, with_tokenizer=False)
+    hf = FBTForCausalLM(HFConfig(**{k: v for k, v in h.items() if k not in ("auto_map", "architectures", "model_type")}))
+    hf.load_state_dict(mapping.to_hf(mcore.state_dict(), mapping.Shape.of_config(config)), strict=False)
+    llama = LlamaForCausalLM(LlamaConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
+        head_dim=config.kv_channels, vocab_size=config.vocab_size, max_position_embeddings=config.seq_length,
+        rms_norm_eps=config.layernorm_epsilon, rope_theta=config.rotary_base, tie_word_embeddings=True,
+        attn_implementation="sdpa"))
+    return {"mcore": mcore, "hf_fbt": hf.eval(), "hf_llama": llama.eval()}
+
+
+def decode_steps(models: dict, prompt: List[int], new_tokens: int) -> Dict[str, Dict[int, Callable[[], None]]]:
+    """{variant: {tokens generated: the call}}: 1 token (the prompt's prefill) and ``new_tokens``."""
+    from fbt_megatron.generate import generate
+
+    def mcore(mode: str, n: int = 0):
+        return lambda count: lambda: generate(models["mcore"], [prompt], mode=mode, fused_passes=n, max_new_tokens=count)
+
+    def hf(name: str):
+        ids = torch.tensor([prompt])
+        return lambda count: lambda: models[name].generate(ids, max_new_tokens=count, min_new_tokens=count,
+                                                           do_sample=False, pad_token_id=0)
+
+    makers = {"standard": mcore("standard"), "soft": mcore("soft"),
+              **{f"fused{n}": mcore("fused", n) for n in FUSED_PREFILL}, "hf_fbt": hf("hf_fbt"), "hf_llama": hf("hf_llama")}
+    counts = {name: (1,) if name.startswith("fused") else (1, new_tokens) for name in makers}
+    return {name: {c: makers[name](c) for c in counts[name]} for name in makers}
+
+
+def measure_decode(args, shape: dict) -> dict:
+    from tqdm import tqdm
+
+    from fbt_megatron import platform
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    platform.init_distributed(seed_value=args.seed)
+    print("building the models (random weights) …", file=sys.stderr, flush=True)
+    models = decode_models(args, shape)
+    config = models["mcore"].config
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_length,), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    steps = decode_steps(models, prompt, args.new_tokens)
+    flat = {f"{name}@{count}": call for name, calls in steps.items() for count, call in calls.items()}
+    with torch.no_grad(), tqdm(total=(args.warmup + args.repeats) * len(flat), desc="decode benchmark", unit="call",
+                               leave=False, file=sys.stderr) as progress:
+        time_rounds(flat, args.warmup, progress)
+        times = time_rounds(flat, args.repeats, progress)
+    prefill = {name: times[f"{name}@1"] for name in steps}
+    per_token = {name: [(full - first) / (args.new_tokens - 1) for full, first in zip(times[f"{name}@{args.new_tokens}"], prefill[name])]
+                 for name, calls in steps.items() if args.new_tokens in calls}
+    ratios = {}
+    for r in DECODE_RATIOS:
+        series = per_token if r.kind == "decode" else prefill
+        value = statistics.median(a / b for a, b in zip(series[r.numerator], series[r.denominator]))
+        ratios[r.key] = dict(label=r.label, value=value, goal=None if r.goal is None else f"{r.goal[0]} {r.goal[1]}",
+                             status=r.status(value))
+    return dict(
+        settings=dict(preset=args.preset, **{n: getattr(config, n) for n in SHAPE_FLAGS},
+                      sliding_window=config.sliding_window, full_attention_every=config.full_attention_every,
+                      prompt_length=args.prompt_length, new_tokens=args.new_tokens, threads=args.threads,
+                      repeats=args.repeats, warmup=args.warmup, seed=args.seed, cpus=os.cpu_count(),
+                      parameters=sum(p.numel() for p in models["mcore"].parameters()),
+                      load_average=[load_before, os.getloadavg()[0]]),
+        prefill_seconds={name: statistics.median(t) for name, t in prefill.items()},
+        decode_seconds_per_token={name: statistics.median(t) for name, t in per_token.items()},
+        ratios=ratios,
+    )
+
+
+def format_decode_report(results: dict) -> str:
+    s = results["settings"]
+    lines = [
+        f"FBT decode benchmark ({s['preset']}, {s['parameters']:,} parameters, fp32): {s['num_layers']} layers, "
+        f"hidden {s['hidden_size']}, vocab {s['vocab_size']}; batch 1, a {s['prompt_length']}-token prompt, "
+        f"{s['new_tokens']} tokens; {s['threads']} threads; medians of {s['repeats']} interleaved repeats",
+        f"system load average {s['load_average'][0]:.1f} before, {s['load_average'][1]:.1f} after, on {s['cpus']} CPUs",
+        "",
+        f"{'variant':<34} {'prefill ms':>11} {'decode ms/token':>16}",
+    ]
+    names = {"standard": "megatron-core, Standard", "soft": "megatron-core, Soft",
+             **{f"fused{n}": f"megatron-core, Fused({n})" for n in FUSED_PREFILL},
+             "hf_fbt": "HF export, Standard", "hf_llama": "transformers Llama, same shape"}
+    for name, label in names.items():
+        decode = results["decode_seconds_per_token"].get(name)
+        lines.append(f"{label:<34} {1e3 * results['prefill_seconds'][name]:>11.1f} "
+                     f"{'–' if decode is None else f'{1e3 * decode:.1f}':>16}")
+    width = max(len(r["label"]) for r in results["ratios"].values())
+    lines += ["", f"{'ratio':<{width}} {'measured':>8}  {'goal':<8} result"]
+    for r in results["ratios"].values():
+        lines.append(f"{r['label']:<{width}} {r['value']:>8.3f}  {r['goal'] or '–':<8} {r['status']}")
+    if s["load_average"][1] > s["threads"] + 1:
+        lines.append("warning: the load average shows other processes competing for the CPUs: timings are noisy")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     for category in (UserWarning, FutureWarning, DeprecationWarning):  # megatron/torch API notices
         warnings.filterwarnings("ignore", category=category, module=r"(megatron|torch)\..*")
     args = parse_args(argv)
-    results = measure(args, shape_overrides(args))
-    print(format_report(results))
+    if args.decode:
+        results = measure_decode(args, shape_overrides(args))
+        print(format_decode_report(results))
+    else:
+        results = measure(args, shape_overrides(args))
+        print(format_report(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
