@@ -1,0 +1,12 @@
+"""lm-eval on Hugging Face exports of FBT models, offline, in FBT's decode modes.
+
+* ``local_tasks``: two lm-eval tasks built from held-out standard-library text on this machine
+  (perplexity, ``loglikelihood_rolling``; next line out of four, ``multiple_choice``);
+* ``lm``: lm-eval's ``fbt`` model (a subclass of its ``hf`` model) scoring requests as a decode mode
+  (standard, soft, fused(n)) would produce them, through the export's ``decode_logits``;
+* ``harness``: one export evaluated in any mode in this process (what ``tools/eval.py`` tabulates);
+* ``env``: the offline Hugging Face environment (set before transformers/datasets/lm_eval load);
+* ``python -m fbt_megatron.evaluation tasks|lm-eval ...``: the command line (see ``__main__``).
+
+Importing this package imports neither lm_eval nor transformers.
+"""

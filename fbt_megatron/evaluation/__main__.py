@@ -1,0 +1,85 @@
+r"""Evaluation entry points.
+
+    python -m fbt_megatron.evaluation tasks --output DIR [--documents 40] [--questions 100]
+        build the local lm-eval tasks (held-out standard-library text) into DIR
+    python -m fbt_megatron.evaluation lm-eval <lm-eval arguments>
+        lm-eval's own CLI, offline, with the ``fbt`` model registered:
+        python -m fbt_megatron.evaluation lm-eval run --model fbt \
+            --model_args pretrained=EXPORT,decode_mode=fused,fused_prefill_passes=2 --tasks fbt_stdlib_perplexity
+        The local tasks (fbt_stdlib_*) are built on first use into data/lm-eval-tasks and added to
+        --include_path when none is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from fbt_megatron.cli import run_cli
+from fbt_megatron.evaluation.local_tasks import DEFAULT_TASKS_FOLDER, TASKS, build_tasks, ensure_tasks
+
+
+def _tasks_parser(sub) -> None:
+    p = sub.add_parser("tasks", help="build the local lm-eval tasks", description=build_tasks.__doc__)
+    p.add_argument("--output", required=True, help="folder to write the tasks to (lm-eval's --include_path)")
+    p.add_argument("--documents", type=int, default=40, help="perplexity documents (default 40)")
+    p.add_argument("--questions", type=int, default=100, help="multiple-choice items (default 100)")
+    p.add_argument("--max-chars", type=int, default=1200, help="characters per perplexity document at most (default 1200)")
+    p.add_argument("--corpus", default=None,
+                   help="a prepared corpus folder whose docs.valid.jsonl to use (default data/stdlib-sp2048 when "
+                        "prepared, else the standard library's valid split)")
+
+
+def _option(args: List[str], name: str) -> Optional[str]:
+    """The value of ``--name X`` or ``--name=X`` in ``args``."""
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def lm_eval_main(args: List[str]) -> int:
+    """lm-eval's CLI on ``args`` with the ``fbt`` model registered and the environment offline."""
+    from fbt_megatron.evaluation.env import offline_environment
+
+    offline_environment()
+    import fbt_megatron.evaluation.lm  # noqa: F401  (registers --model fbt)
+
+    tasks = _option(args, "--tasks") or ""
+    if _option(args, "--include_path") is None and any(t in tasks.split(",") for t in TASKS):
+        args = [*args, "--include_path", ensure_tasks(str(DEFAULT_TASKS_FOLDER)).folder]
+    from lm_eval.__main__ import cli_evaluate
+
+    argv = sys.argv
+    sys.argv = ["lm-eval", *args]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = argv
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "lm-eval":
+        return lm_eval_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m fbt_megatron.evaluation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{tasks,lm-eval}")
+    _tasks_parser(sub)
+    sub.add_parser("lm-eval", help="lm-eval's CLI with the fbt model registered (arguments passed through)")
+    args = parser.parse_args(argv)
+    if args.command != "tasks":
+        parser.print_help()
+        return 2
+    built = build_tasks(args.output, args.documents, args.questions, args.max_chars, args.corpus)
+    print(f"{built.folder}: {built.names[0]} ({built.documents} documents), {built.names[1]} ({built.questions} items); "
+          f"lm-eval ... --include_path {built.folder} --tasks {','.join(built.names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
