@@ -33,3 +33,35 @@ def small_corpus(tmp_path_factory):
         shutil.copy(path, source / path.name)
     return prepare_corpus(str(source), str(tmp_path_factory.mktemp("corpus") / "c"), vocab_size=512,
                           valid_fraction=0.1, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models decoding one position at a time: on the shared
+    2-core machine a second thread only adds synchronisation (soft decoding ~10× slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train_tiny(folder, recipe: str):
+    from helpers import launch
+
+    code, out = launch(folder.parent / f"{folder.name}.log", "fbt_megatron.train", "--recipe", recipe, "--train-iters", 4,
+                       "--eval-interval", 4, "--eval-iters", 1, "--threads", 1, "--save", folder)
+    assert code == 0, out[-3000:]
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A real run folder to load (read only): 4 steps of recipes/tiny_cpu.yaml on the embedded
+    corpus, validated at its end after 0–3 fused passes."""
+    return _train_tiny(tmp_path_factory.mktemp("tiny_run") / "fbt", "recipes/tiny_cpu.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_baseline_run(tmp_path_factory):
+    """The same with recipes/tiny_cpu_baseline.yaml (no latent feedback)."""
+    return _train_tiny(tmp_path_factory.mktemp("tiny_run") / "baseline", "recipes/tiny_cpu_baseline.yaml")

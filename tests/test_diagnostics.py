@@ -21,21 +21,12 @@ ROOT = Path(__file__).parent.parent
 TRAIN = ["fbt_megatron.train", "--threads", "1", "--train-iters", "4", "--eval-interval", "4", "--eval-iters", "1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The diagnostics are small: one thread (two oversubscribe the shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def lm_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("diagnostics") / "lm"
-    code, text = launch(folder.parent / "lm.log", *TRAIN, "--recipe", ROOT / "recipes/tiny_cpu.yaml", "--save", folder)
-    assert code == 0, text[-3000:]
-    return folder
+def lm_run(tiny_run):
+    return tiny_run
 
 
 @pytest.fixture(scope="module")

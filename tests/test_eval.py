@@ -23,13 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 4  # items per task in the lm-eval runs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Soft decoding runs many tiny steps: on a shared 2-core machine, two threads are ~10× slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- the local tasks
@@ -82,13 +76,10 @@ def test_decode_mode_names():
 
 # ---------------------------------------------------------------- an export of a trained tiny run
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, tiny_run):
     """(run folder, export folder, tasks) of a 4-step tiny FBT run, exported with the converter."""
     base = tmp_path_factory.mktemp("eval")
-    run, export = base / "run", base / "export"
-    code, out = launch(base / "train.log", "fbt_megatron.train", "--recipe", "recipes/tiny_cpu.yaml", "--train-iters", "4",
-                       "--eval-interval", "4", "--eval-iters", "1", "--save", run, "--threads", "1")
-    assert code == 0, out[-3000:]
+    run, export = tiny_run, base / "export"
     code, out = launch(base / "export.log", "fbt_megatron.convert", "to-hf", "--load", run, "--output", export)
     assert code == 0, out[-3000:]
     tasks = build_tasks(str(base / "tasks"), documents=6, questions=12)

@@ -23,13 +23,7 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models, one position at a time: a second thread only adds synchronisation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -247,16 +241,9 @@ def test_bad_inputs(model):
 
 
 @pytest.fixture(scope="module")
-def trained_runs(tmp_path_factory):
-    """4-step FBT and baseline runs of the tiny CPU recipes."""
-    folder = tmp_path_factory.mktemp("runs")
-    runs = {}
-    for name, recipe in (("fbt", "recipes/tiny_cpu.yaml"), ("baseline", "recipes/tiny_cpu_baseline.yaml")):
-        code, out = launch(folder / f"{name}.log", "fbt_megatron.train", "--recipe", recipe, "--train-iters", 4,
-                           "--eval-interval", 4, "--eval-iters", 1, "--threads", 1, "--save", folder / name)
-        assert code == 0, out[-3000:]
-        runs[name] = str(folder / name)
-    return runs, folder
+def trained_runs(tmp_path_factory, tiny_run, tiny_baseline_run):
+    """4-step FBT and baseline runs of the tiny CPU recipes, and a folder for logs."""
+    return {"fbt": str(tiny_run), "baseline": str(tiny_baseline_run)}, tmp_path_factory.mktemp("generate")
 
 
 @pytest.mark.slow
