@@ -221,15 +221,16 @@ def test_eval_tool_writes_the_table(exported, tmp_path, capsys):
     table = [line for line in lines if line.startswith("| ")]
     assert table[0] == "| model | mode | word perplexity ↓ | bits per byte ↓ | next line acc ↑ | next line acc_norm ↑ |"
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[1:]]
-    assert [r[:2] for r in rows] == [["run", "standard"], ["run", "soft"], ["run", "fused(2)"], ["baseline-export", "standard"]]
+    name = Path(run).name  # models are named after their folders
+    assert [r[:2] for r in rows] == [[name, "standard"], [name, "soft"], [name, "fused(2)"], ["baseline-export", "standard"]]
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["columns"] == ["word_perplexity", "bits_per_byte", "acc", "acc_norm"]
     for row in data["rows"]:
         assert all(math.isfinite(row[c]) for c in data["columns"]) and 0 <= row["acc"] <= 1
     assert data["rows"][0]["bits_per_byte"] != data["rows"][1]["bits_per_byte"]
     # the run was exported with the converter into the cache beside the output
-    assert (tmp_path / "results" / "exports" / "run-iter4" / "config.json").is_file()
-    assert data["details"][0]["iteration"] == 4 and data["details"][0]["export"].endswith("run-iter4")
+    assert (tmp_path / "results" / "exports" / f"{name}-iter4" / "config.json").is_file()
+    assert data["details"][0]["iteration"] == 4 and data["details"][0]["export"].endswith(f"{name}-iter4")
 
 
 def test_eval_tool_bad_input_is_one_error_line(exported, tmp_path, capsys):
