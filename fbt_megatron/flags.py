@@ -55,7 +55,7 @@ GROUPS = [
 ]
 
 
-EPILOG = ("Values are YAML: --pass-mixture '{1: 0.75, 2: 0.25}', --train-data-path '[0.7, a, 0.3, b]', "
+EPILOG = ("Values are YAML: --pass-phases '[{start: 0.75, passes: 2}]', --train-data-path '[0.7, a, 0.3, b]', "
           "null for none. A BOOL flag alone means true.")
 
 

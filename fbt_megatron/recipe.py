@@ -77,27 +77,54 @@ class TrainingSection:
     """Stop (after a checkpoint) once the iteration is a multiple of this; a later --load resumes."""
     threads: int = 0
     """torch intra-op threads per process (0: torch's default)."""
+    z_loss_coeff: float = 0.0
+    """c of the z-loss c·(log Σ exp logits)² added to every pass's next-token loss (paper: 1e-5)."""
+    z_loss_from: Literal["cooldown", "start"] = "cooldown"
+    """When the z-loss is on: in the learning-rate cooldown only (the paper), or from the first step."""
+    dry_run: bool = False
+    """Print the plan (parameters, steps, layout, memory, FLOPs, wall time: fbt_megatron.plan) and exit."""
 
 
 @dataclass
 class PassesSection:
-    """The pass-count schedule: k = ``passes`` before ``pass_mixture_start``, then drawn from
-    ``pass_mixture`` (a pure function of seed and step, identical on every rank)."""
+    """The pass-count schedule in phases: k = ``passes`` from the first step, then each of
+    ``pass_phases`` from its fraction of training on (a pure function of seed and step, identical
+    on every rank)."""
 
     passes: int = 1
-    """Passes k per step before pass_mixture_start (or always, without a mixture)."""
-    pass_mixture: Optional[Dict[int, float]] = None
-    """From pass_mixture_start on, k is drawn per step from these weights, e.g. {1: 0.75, 2: 0.22, 3: 0.03}."""
-    pass_mixture_start: int = 0
-    """The step from which k is drawn from pass_mixture."""
+    """Passes k per step in the first phase (until the first of pass_phases starts)."""
+    pass_phases: Optional[List[Dict[str, Any]]] = None
+    """Later phases, each from a fraction of --train-iters on, with a fixed k or k drawn per step
+    from weights: [{start: 0.75, mixture: {1: 0.75, 2: 0.22, 3: 0.03}}] or [{start: 0.5, passes: 2}]."""
 
 
 @dataclass
 class OptimizerSection:
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """megatron-core optimizer (weight decay off for norms and 1-D parameters)."""
+    optimizer: Literal["adam", "sgd", "normuon"] = "adam"
+    """adam or sgd: megatron-core's, for every parameter; normuon: NorMuon for the 2-D weight
+    matrices, Adam for the rest (fbt_megatron/optimizers). Weight decay is off for norms and 1-D
+    parameters."""
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate (with normuon: NorMuon's, for the matrices)."""
+    adam_lr: Optional[float] = None
+    """normuon only: the peak learning rate of the parameters Adam updates; null: --lr."""
+    adam_params: List[str] = field(default_factory=list)
+    """normuon only: glob patterns of further parameter names for Adam instead of NorMuon (the
+    embeddings, norms, headwise gates and 1-D parameters always are), e.g. ['*feedback_fusion*']."""
+    muon_momentum: float = 0.95
+    """NorMuon's (Nesterov) momentum."""
+    muon_num_ns_steps: int = 5
+    """Newton–Schulz iterations that orthogonalise the update."""
+    muon_tp_mode: Literal["duplicated", "blockwise"] = "duplicated"
+    """Tensor-parallel matrices: duplicated (gather the shards, orthogonalise the whole matrix, keep
+    this rank's part) or blockwise (orthogonalise each rank's shard alone)."""
+    muon_split_qkv: bool = True
+    """Orthogonalise the fused QKV matrix per Q, K and V."""
+    normuon_beta2: float = 0.95
+    """Decay of NorMuon's per-row second moment of the orthogonalised update."""
+    weight_decay_schedule: Literal["constant", "adamc"] = "constant"
+    """adamc: in the cooldown, the weight decay of the normalised layers' matrices is scaled by
+    lr_t / lr_max (Defazio's AdamC), for both optimizer families."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
     weight_decay: float = 0.01
@@ -173,6 +200,9 @@ class LoggingSection:
     """Write TensorBoard scalars (needs --save or --tensorboard-dir)."""
     tensorboard_dir: Optional[str] = None
     """TensorBoard event folder (default: <save>/tensorboard)."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one accelerator in the run's precision, for MFU in the logs (default:
+    looked up from the GPU's name; no MFU on CPU)."""
 
 
 SECTIONS = {
@@ -212,6 +242,30 @@ class Recipe:
         asked, o.lr_warmup_iters = o.lr_warmup_iters, iters // 10
         return (f"note: --lr-warmup-iters {asked} does not fit --train-iters {iters}: warmup clamped to "
                 f"{o.lr_warmup_iters} steps (a tenth of the run)")
+
+    def pass_phases(self) -> List[tuple]:
+        """The pass schedule's phases as (first step, {k: weight}), checked: the first phase is
+        ``passes`` from step 0, then ``pass_phases`` at round(start × train_iters)."""
+        iters, phases = self.training.train_iters, [(0, {self.passes.passes: 1.0})]
+        for i, phase in enumerate(self.passes.pass_phases or []):
+            key = f"passes.pass_phases[{i}]"
+            if not isinstance(phase, dict) or set(phase) not in ({"start", "passes"}, {"start", "mixture"}):
+                raise RecipeError(f"{key} must be {{start: fraction, passes: k}} or {{start: fraction, mixture: {{k: weight}}}}, got {phase!r}")
+            start = check(phase["start"], float, f"{key}.start")
+            if not 0 <= start < 1:
+                raise RecipeError(f"{key}.start is a fraction of --train-iters in [0, 1), got {start}")
+            if "passes" in phase:
+                mixture = {check(phase["passes"], int, f"{key}.passes"): 1.0}
+            else:
+                mixture = check(phase["mixture"], Dict[int, float], f"{key}.mixture")
+            if not mixture or any(k < 1 or w < 0 for k, w in mixture.items()) or sum(mixture.values()) <= 0:
+                raise RecipeError(f"{key} must map pass counts >= 1 to weights >= 0, got {mixture}")
+            step = round(start * iters)
+            if step <= phases[-1][0] and (i or step):
+                raise RecipeError(f"{key}.start {start} must come after the previous phase's start (step {step} of {iters})")
+            phases = phases[:-1] if step == 0 else phases  # a phase from the start replaces ``passes``
+            phases.append((step, mixture))
+        return phases
 
     def validate(self, world_size: int = 1) -> None:
         t, p, o = self.training, self.parallel, self.optimizer
@@ -281,10 +335,15 @@ class Recipe:
             raise RecipeError(f"optimizer.lr_warmup_iters must be >= 0, got {o.lr_warmup_iters}")
         if o.min_lr > o.lr:
             raise RecipeError(f"optimizer.min_lr {o.min_lr} exceeds optimizer.lr {o.lr}")
-        mixture = self.passes.pass_mixture
-        if mixture is not None:
-            if not mixture or any(k < 1 or w < 0 for k, w in mixture.items()) or sum(mixture.values()) <= 0:
-                raise RecipeError(f"passes.pass_mixture must map pass counts >= 1 to weights >= 0, got {mixture}")
+        self.pass_phases()
+        if o.optimizer != "normuon" and (o.adam_lr is not None or o.adam_params):
+            raise RecipeError("optimizer.adam_lr and optimizer.adam_params are for --optimizer normuon")
+        if o.adam_lr is not None and o.adam_lr <= 0:
+            raise RecipeError(f"optimizer.adam_lr must be > 0, got {o.adam_lr}")
+        if o.muon_num_ns_steps < 1:
+            raise RecipeError(f"optimizer.muon_num_ns_steps must be >= 1, got {o.muon_num_ns_steps}")
+        if t.z_loss_coeff < 0:
+            raise RecipeError(f"training.z_loss_coeff must be >= 0, got {t.z_loss_coeff}")
         if self.data.data_path is None and self.data.train_data_path is None:
             raise RecipeError("data: set data_path (a corpus folder) or train_data_path (a blend)")
         if self.data.train_data_path is not None and self.data.tokenizer_model is None:

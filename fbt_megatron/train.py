@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from fbt_megatron import checkpointing, flags, platform
 from fbt_megatron.cli import quiet_library_warnings, run_cli
-from fbt_megatron.fbt import PassSchedule, pass_weights
+from fbt_megatron.fbt import PassPhase, PassSchedule, pass_weights
 from fbt_megatron.metrics import MetricsLogger
 from fbt_megatron.recipe import Recipe, RecipeError
 
@@ -176,6 +176,11 @@ def choose_schedule(recipe: Recipe, saved: Optional[dict]) -> Tuple[dict, Option
         f"add --override-opt-param-scheduler to apply this run's from step {saved['iteration'] + 1}, "
         f"or --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
     )
+
+
+def pass_schedule(recipe: Recipe) -> PassSchedule:
+    """The run's pass schedule: its phases (``Recipe.pass_phases``) drawn with the run's seed."""
+    return PassSchedule(recipe.training.seed, tuple(PassPhase(start, mixture) for start, mixture in recipe.pass_phases()))
 
 
 @dataclass
@@ -413,7 +418,8 @@ def header(recipe: Recipe, model, vocab: int, data: Data, schedule: dict, start:
         f"  data {data.source}; world {dist.get_world_size()} (tp {p.tensor_model_parallel_size}, "
         f"pp {p.pipeline_model_parallel_size}, cp {p.context_parallel_size}, dp {parallel_state.get_data_parallel_world_size()}); "
         f"steps {start}→{t.train_iters} of {t.global_batch_size} × {recipe.data.seq_length} tokens\n"
-        f"  learning rate: {describe_schedule(schedule, t.train_iters)}"
+        f"  learning rate: {describe_schedule(schedule, t.train_iters)}\n"
+        f"  passes: {pass_schedule(recipe).describe()}"
     )
 
 
@@ -436,7 +442,7 @@ def train(recipe: Recipe) -> List[dict]:
     vocab = data.tokenizer.padded_vocab_size(recipe.parallel.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
     config, model, ddp = build_model(recipe, vocab)
     optimizer, scheduler = build_optimizer(recipe, config, ddp, schedule)
-    passes = PassSchedule(t.seed, recipe.passes.passes, recipe.passes.pass_mixture, recipe.passes.pass_mixture_start)
+    passes = pass_schedule(recipe)
     state = TrainState(pass_schedule=passes.state_dict(), model=recipe.to_dict()["model"], lr_schedule=schedule,
                        recipe=recipe.to_dict(), vocab_size=vocab)
 

@@ -48,7 +48,7 @@ def test_help_is_grouped_described_and_typed():
         (["--lr", "0"], "optimizer.lr must be > 0, got 0.0"),
         (["--lr"], "argument --lr: expected one argument (see --help)"),
         (["--train-iters", "4", "5"], "unexpected argument '5'"),
-        (["--pass-mixture", "{1: 0.5"], "--pass-mixture must be a mapping"),
+        (["--pass-phases", "[{start: 0.5"], "--pass-phases must be a list"),
     ],
 )
 def test_every_cli_mistake_is_one_line(flags, message):

@@ -28,20 +28,20 @@ def test_progress_is_parsed_from_the_training_log_line():
 
 
 def test_fused_passes_share_of_the_loss():
-    assert abs(demo.fused_loss_share({1: 0.75, 2: 0.22, 3: 0.03}, 1) - (0.22 / 2 + 0.03 * 2 / 3)) < 1e-12
-    assert demo.fused_loss_share(None, 1) == 0.0
-    assert abs(demo.fused_loss_share(None, 3, pass_weights=(0.5, 0.25, 0.25)) - 0.5) < 1e-12
+    assert abs(demo.fused_loss_share({1: 0.75, 2: 0.22, 3: 0.03}) - (0.22 / 2 + 0.03 * 2 / 3)) < 1e-12
+    assert demo.fused_loss_share({1: 1.0}) == 0.0
+    assert abs(demo.fused_loss_share({3: 1.0}, pass_weights=(0.5, 0.25, 0.25)) - 0.5) < 1e-12
 
 
 def test_language_model_paragraph_states_direction_size_and_why():
     runs = [lm_run("baseline", [3.58]), lm_run("FBT", [3.63, 3.97, 4.05, 4.08])]
-    text = demo.lm_findings(runs, {1: 0.75, 2: 0.22, 3: 0.03}, 1)
+    text = demo.lm_findings(runs, {1: 0.75, 2: 0.22, 3: 0.03})
     assert "3.630, 0.050 worse than the baseline's 3.580" in text
     assert "rises to 3.970, 4.050, 4.080" in text
     assert "13% of the training loss" in text
     assert "from +0.600 at step 100 to +0.300 at step 200, shrinking with training" in text
     assert "1B parameters trained on 100B tokens" in text
-    better = demo.lm_findings([lm_run("baseline", [3.7]), lm_run("FBT", [3.6, 3.5])], {1: 0.5, 2: 0.5}, 1)
+    better = demo.lm_findings([lm_run("baseline", [3.7]), lm_run("FBT", [3.6, 3.5])], {1: 0.5, 2: 0.5})
     assert "0.100 better than the baseline's" in better and "falls to 3.500" in better
 
 

@@ -127,7 +127,7 @@ ENTRY = [
     "--recipe", "recipes/tiny_cpu.yaml", "--threads", "1", "--seq-length", "64", "--micro-batch-size", "2",
     "--global-batch-size", "8", "--train-iters", "6", "--lr-warmup-iters", "1", "--log-interval", "1",
     "--eval-interval", "3", "--eval-iters", "1", "--save-interval", "3", "--tensorboard", "false",
-    "--pass-mixture", "{1: 0.4, 2: 0.3, 3: 0.3}",
+    "--pass-phases", "[{start: 0.0, mixture: {1: 0.4, 2: 0.3, 3: 0.3}}]",
 ]
 ENTRY_LAYOUTS = {
     "single": (1, []),

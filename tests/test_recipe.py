@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fbt_megatron.fbt import PassSchedule
+from fbt_megatron.fbt import PassPhase, PassSchedule
 from fbt_megatron.flags import parse as parse_flags
 from fbt_megatron.recipe import RecipeError, load_recipe
 
@@ -48,7 +48,10 @@ def test_megatron_flag_overrides_are_typed(tmp_path):
         ("model:\n  latent_feedback: 3\n", "model.latent_feedback must be true or false"),
         ("optimizer:\n  lr_decay_style: sawtooth\n", "optimizer.lr_decay_style must be one of"),
         ("trainig: {}\n", "unknown recipe section 'trainig'"),
-        ("passes:\n  pass_mixture: {0: 1.0}\n", "passes.pass_mixture must map pass counts >= 1"),
+        ("passes:\n  pass_phases: [{start: 0.5, mixture: {0: 1.0}}]\n", "passes.pass_phases[0] must map pass counts >= 1"),
+        ("passes:\n  pass_phases: [{start: 1.5, passes: 2}]\n", "passes.pass_phases[0].start is a fraction"),
+        ("passes:\n  pass_phases: [{start: 0.5, passes: 2}, {start: 0.25, passes: 3}]\n", "passes.pass_phases[1].start 0.25 must come after"),
+        ("passes:\n  pass_phases: [{begin: 0.5, passes: 2}]\n", "passes.pass_phases[0] must be {start: fraction, passes: k}"),
         ("training:\n  micro_batch_size: 3\n  global_batch_size: 16\n", "not a multiple of micro_batch_size 3"),
         ("data:\n  data_path: null\n  train_data_path: [x]\n", "data.train_data_path needs data.tokenizer_model"),
         ("data:\n  data_path: null\n", "data: set data_path"),
@@ -95,13 +98,22 @@ def test_bad_flag_value_is_refused():
 
 def test_pass_schedule_is_a_pure_function_of_seed_and_step():
     mixture = {1: 0.75, 2: 0.22, 3: 0.03}
-    schedule = PassSchedule(seed=7, passes=1, mixture=mixture, mixture_start=100)
+    phases = lambda: (PassPhase(0, {1: 1.0}), PassPhase(100, mixture), PassPhase(20100, {3: 1.0}))  # noqa: E731
+    schedule = PassSchedule(seed=7, phases=phases())
     assert all(schedule(s) == 1 for s in range(100))
     ks = [schedule(s) for s in range(100, 20100)]
-    assert ks == [PassSchedule(seed=7, passes=1, mixture=mixture, mixture_start=100)(s) for s in range(100, 20100)]
+    assert ks == [PassSchedule(seed=7, phases=phases())(s) for s in range(100, 20100)]
     freq = Counter(ks)
     for k, w in mixture.items():
         assert abs(freq[k] / len(ks) - w) < 0.015, freq
-    other = [PassSchedule(seed=8, passes=1, mixture=mixture, mixture_start=100)(s) for s in range(100, 20100)]
+    other = [PassSchedule(seed=8, phases=phases())(s) for s in range(100, 20100)]
     assert other != ks
-    assert {PassSchedule(seed=1, passes=3)(s) for s in range(50)} == {3}
+    assert {schedule(s) for s in range(20100, 20150)} == {3}
+    assert {PassSchedule.fixed(seed=1, passes=3)(s) for s in range(50)} == {3}
+    assert schedule.expected_passes(20200) == pytest.approx({1: 100 + 15000, 2: 4400, 3: 600 + 100})
+
+
+def test_pass_phases_start_at_fractions_of_the_run():
+    recipe = parse(RECIPES / "tiny_cpu.yaml", "--train-iters", "1000", "--passes", "1",
+                   "--pass-phases", "[{start: 0.75, mixture: {1: 0.75, 2: 0.22, 3: 0.03}}, {start: 0.9, passes: 3}]")
+    assert recipe.pass_phases() == [(0, {1: 1.0}), (750, {1: 0.75, 2: 0.22, 3: 0.03}), (900, {3: 1.0})]

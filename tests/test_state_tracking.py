@@ -172,4 +172,4 @@ def test_task_recipes_differ_only_in_the_feedback():
     feedback = {"latent_feedback", "feedback_jitter", "prefix_mixin_prob"}
     assert {k: v for k, v in fbt["model"].items() if k not in feedback} == {k: v for k, v in base["model"].items() if k not in feedback}
     assert fbt["model"]["sliding_window"] is None and fbt["data"]["corpus"] == "state_tracking:parity"
-    assert fbt["passes"]["pass_mixture"] == {1: 0.5, 2: 0.3, 3: 0.2} and base["passes"]["pass_mixture"] is None
+    assert fbt["passes"]["pass_phases"] == [{"start": 0.0, "mixture": {1: 0.5, 2: 0.3, 3: 0.2}}] and base["passes"]["pass_phases"] is None

@@ -33,7 +33,7 @@ def train(log: Path, *flags, corpus=None, expect_ok=True):
 
 SMALL = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
          "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1", "--fused-prefill-passes", "2",
-         "--pass-mixture", "{1: 0.4, 2: 0.4, 3: 0.2}", "--pass-mixture-start", "0", "--train-iters", "8"]
+         "--pass-phases", "[{start: 0.0, mixture: {1: 0.4, 2: 0.4, 3: 0.2}}]", "--train-iters", "8"]
 
 
 @pytest.mark.slow

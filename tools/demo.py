@@ -78,11 +78,19 @@ def training_work(recipe_path: Path, iters: int) -> float:
     from fbt_megatron.recipe import load_recipe
 
     r = load_recipe(str(recipe_path))
-    mixture, p = r.passes.pass_mixture, r.passes
-    mean_k = sum(k * w for k, w in mixture.items()) / sum(mixture.values()) if mixture else p.passes
-    before = min(p.pass_mixture_start, iters) if mixture else iters
     layers, _ = _layers_and_latent(r)
-    return layers * (before * p.passes + (iters - before) * mean_k) * r.training.global_batch_size * r.data.seq_length
+    passes = sum(k * n for k, n in pass_mixture(recipe_path, iters).items())
+    return layers * passes * r.training.global_batch_size * r.data.seq_length
+
+
+def pass_mixture(recipe_path: Path, iters: int) -> Dict[int, float]:
+    """How many of a run's ``iters`` steps are expected to have each k (its pass schedule)."""
+    from fbt_megatron.recipe import load_recipe
+    from fbt_megatron.train import pass_schedule
+
+    r = load_recipe(str(recipe_path))
+    r.training.train_iters = iters
+    return pass_schedule(r).expected_passes(iters)
 
 
 def evaluation_work(recipe_path: Path, sequences: int, length: int) -> float:
@@ -231,18 +239,17 @@ def lm_table(runs: list, passes: int) -> str:
     return "\n".join(lines)
 
 
-def fused_loss_share(mixture: Optional[Dict[int, float]], passes: int, pass_weights=None) -> float:
+def fused_loss_share(mixture: Dict[int, float], pass_weights=None) -> float:
     """The share of the training loss on fused passes (pass ≥ 2): a k-pass step weighs pass j by
-    w_j / Σw (the mean by default), averaged over the pass mixture (or the fixed ``passes``)."""
+    w_j / Σw (the mean by default), averaged over the pass mixture ({k: weight})."""
     from fbt_megatron.fbt import pass_weights as weights_of
 
     config = SimpleNamespace(pass_weights=pass_weights)
-    mixture = mixture or {passes: 1.0}
     share = {k: sum(weights_of(config, k)[1:]) / sum(weights_of(config, k)) for k in mixture}
     return sum(w * share[k] for k, w in mixture.items()) / sum(mixture.values())
 
 
-def lm_findings(runs: list, mixture: Optional[Dict[int, float]], passes: int, pass_weights=None) -> str:
+def lm_findings(runs: list, mixture: Dict[int, float], pass_weights=None) -> str:
     """One paragraph, from the numbers, on what the language-model comparison shows at this scale."""
     base = next(r for r in runs if r["name"] == "baseline")
     fbt = next(r for r in runs if r["name"] == "FBT")
@@ -256,8 +263,9 @@ def lm_findings(runs: list, mixture: Optional[Dict[int, float]], passes: int, pa
         text += f"; with 1 … {len(f) - 1} fused prefill passes it {trend} to {steps}"
         evals = [r for r in fbt["records"] if "valid_loss_fused1" in r]
         gap = lambda r: r["valid_loss_fused1"] - r["valid_loss_fused0"]  # noqa: E731
-        text += (f". Under the pass mixture {mixture or {passes: 1}}, fused passes carry "
-                 f"{fused_loss_share(mixture, passes, pass_weights):.0%} of the training loss (a k-pass step weighs each "
+        total = sum(mixture.values())
+        text += (f". Under the pass mixture {{{', '.join(f'{k}: {n / total:.2f}' for k, n in sorted(mixture.items()))}}}, fused passes carry "
+                 f"{fused_loss_share(mixture, pass_weights):.0%} of the training loss (a k-pass step weighs each "
                  f"pass 1/k), so at this scale they are undertrained next to the standard pass")
         if len(evals) > 1:
             change = "shrinking" if abs(gap(evals[-1])) < abs(gap(evals[0])) else "not shrinking"
@@ -476,8 +484,7 @@ def main(argv=None) -> int:
         "## Language modelling", lm_table(lm_runs, passes),
         f"{iters} steps per model, {fbt_recipe.training.global_batch_size} × {d.seq_length} tokens per step; "
         "validation on held-out files of the corpus.",
-        lm_findings(lm_runs, fbt_recipe.passes.pass_mixture, fbt_recipe.passes.passes,
-                    fbt_recipe.model_overrides.get("pass_weights")),
+        lm_findings(lm_runs, pass_mixture(FBT, iters), fbt_recipe.model_overrides.get("pass_weights")),
     ]
     tasks = {}
     for task in args.tasks:

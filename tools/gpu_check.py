@@ -457,7 +457,7 @@ def multi_gpu(parent: Path):
     seed, one = workdir / "seed", workdir / "gpu1"
     recipe = ["--recipe", "recipes/tiny_cpu.yaml", "--tensorboard", "false"]
     train = [*recipe, "--load", seed, "--train-iters", TP_STEPS, "--lr-warmup-iters", 2, "--log-interval", 1,
-             "--eval-iters", 0, "--pass-mixture", "{1: 0.4, 2: 0.3, 3: 0.3}"]
+             "--eval-iters", 0, "--pass-phases", "[{start: 0.0, mixture: {1: 0.4, 2: 0.3, 3: 0.3}}]"]
     entry = [sys.executable, "-m", "fbt_megatron.train"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, "-m", "fbt_megatron.train"]
     launch([*entry, *recipe, "--save", seed, "--create-seed-checkpoint", "true"], workdir / "seed.log", 900)  # prepares the corpus on first use
