@@ -106,6 +106,16 @@ def _wsd_decay_iters(schedule: dict) -> int:
     return round(schedule["lr_wsd_decay_fraction"] * schedule["train_iters"])
 
 
+def cooldown_start(schedule: dict) -> Optional[int]:
+    """The first step of the cooldown, where the learning rate decays from its peak (WSD: the last
+    ``lr_wsd_decay_fraction`` of the run; cosine and linear: from the end of warmup; constant: none).
+    AdamC's weight decay and the z-loss switch on there."""
+    style = schedule["lr_decay_style"]
+    if style == "WSD":
+        return schedule["train_iters"] - _wsd_decay_iters(schedule)
+    return None if style == "constant" else schedule["lr_warmup_iters"]
+
+
 def build_scheduler(optimizer, schedule: dict):
     """megatron-core's OptimizerParamScheduler for ``schedule``. It is the curve this run chose
     (``choose_schedule``), so loading a checkpoint restores only its step count."""
