@@ -157,13 +157,18 @@ def default_feedback(model, tokens: torch.Tensor, sequence_seeds: List[int]) -> 
     return lambda state, j: make_feedback(config, state, sequence_seeds, j, model.training, layout)
 
 
-def run_pass(model, tokens, labels, pass_index: int, received: Optional[torch.Tensor], feedback_fn):
+def run_pass(
+    model, tokens, labels, pass_index: int, received: Optional[torch.Tensor], feedback_fn, backward_next: bool = False,
+):
     """Pass j of one microbatch on this pipeline stage → ``FBTModel.forward``'s (output, top state).
 
     ``received`` is what the stage gets from upstream: on the first stage the previous pass's top
     states s^{(j−1)} (None in pass 1), fused with the embeddings by eq. F4; on later stages the
     previous stage's hidden states. With ``recompute_passes`` only these inputs (and e_t) are kept
-    (in host memory with ``offload_recompute_inputs``) and the pass is recomputed in backward."""
+    (in host memory with ``offload_recompute_inputs``) and the pass is recomputed in backward —
+    unless ``backward_next``: the caller runs this pass's backward right after its forward (the
+    last pass on the last stage), so its activations are freed as soon as a recompute's would be,
+    and checkpointing would only add a forward."""
     embeddings = model.embed(tokens) if model.pre_process else None  # e_t
 
     def forward(embeddings, labels, received):
@@ -172,7 +177,7 @@ def run_pass(model, tokens, labels, pass_index: int, received: Optional[torch.Te
         feedback = None if received is None else feedback_fn(received, pass_index)
         return model(tokens, labels=labels, feedback=feedback, embeddings=embeddings)
 
-    if model.config.recompute_passes:
+    if model.config.recompute_passes and not backward_next:
         # e_t and s^{(j−1)} wait for backward in host memory; a pipeline schedule keeps what it received
         held = (received,) if model.config.pipeline_model_parallel_size > 1 else ()
         with offloading(model.config, recomputed=True, keep=held):
@@ -199,6 +204,7 @@ def multi_pass_loss(
 ) -> MultiPassOutput:
     """k passes of teacher-forced training on one microbatch ([b, s] tokens/labels/mask), the
     whole model on this rank (no pipeline; ``parallel.pipeline`` runs passes across stages).
+    The caller runs backward right after: pass k is never recomputed (``run_pass``'s ``backward_next``).
 
     `sequence_seeds` (one int per sequence) seed its prefix-mixin and jitter draws;
     `feedback_fn(state, j)` may replace those draws (tests pass fixed prefixes/noise);
@@ -209,7 +215,7 @@ def multi_pass_loss(
     weights = pass_weights(model.config, num_passes)
     total, losses, deltas, prev = 0.0, [], [], None
     for j in range(1, num_passes + 1):
-        token_loss, top = run_pass(model, tokens, labels, j, prev, feedback_fn)
+        token_loss, top = run_pass(model, tokens, labels, j, prev, feedback_fn, backward_next=j == num_passes)
         loss_j = masked_mean(token_loss, loss_mask, num_tokens)
         total = total + weights[j - 1] * loss_j
         losses.append(loss_j.detach())

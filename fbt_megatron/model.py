@@ -34,6 +34,7 @@ from fbt_megatron.layers import (
     FBTSelfAttentionSubmodules,
     RMSNorm,
 )
+from fbt_megatron.losses import ZLoss, vocab_parallel_cross_entropy_z
 from fbt_megatron.offload import offloading
 
 
@@ -126,9 +127,18 @@ class FBTModel(GPTModel):
                 spec.final_layernorm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
             )
         self.received = None  # see set_input_tensor
+        self.z_loss = ZLoss()  # this step's z-loss coefficient, set by the training loop (0: off)
         self.feedback_fusion = None
         if pre_process and spec.feedback_fusion is not None:
             self.feedback_fusion = build_module(spec.feedback_fusion, config=config)
+
+    def compute_language_model_loss(self, labels, logits):
+        """Per-token cross-entropy [b, s] (megatron-core's); while this step's z-loss coefficient
+        is set, its gradient also carries the z-loss (``fbt_megatron.losses``)."""
+        if not self.z_loss.coeff:
+            return super().compute_language_model_loss(labels, logits)
+        loss = vocab_parallel_cross_entropy_z(logits, labels.transpose(0, 1).contiguous(), self.z_loss)
+        return loss.transpose(0, 1).contiguous()
 
     def set_input_tensor(self, input_tensor):
         """What the pipeline schedule received for this stage: kept for ``fbt.run_pass``, which

@@ -22,7 +22,10 @@ import torch.distributed as dist
 from fbt_megatron import checkpointing, flags, platform
 from fbt_megatron.cli import quiet_library_warnings, run_cli
 from fbt_megatron.fbt import PassPhase, PassSchedule, pass_weights
-from fbt_megatron.metrics import MetricsLogger
+from fbt_megatron.losses import z_loss_coefficient
+from fbt_megatron.metrics import MetricsLogger, PassShares
+from fbt_megatron.plan.flops import Throughput, flops_per_token
+from fbt_megatron.plan.gpus import peak_tflops
 from fbt_megatron.recipe import Recipe, RecipeError
 
 
@@ -38,6 +41,7 @@ def build_model(recipe: Recipe, vocab_size: int):
     from fbt_megatron.parallel import pipeline
     from fbt_megatron.config import make_config
     from fbt_megatron.model import FBTModel
+    from fbt_megatron import optimizers
 
     o, p = recipe.optimizer, recipe.parallel
     dtype = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
@@ -57,35 +61,17 @@ def build_model(recipe: Recipe, vocab_size: int):
         },
     )
     model = FBTModel(config, **pipeline.stage()).to(device=platform.device(), dtype=dtype)
-    ddp = parallel_data.wrap(config, model, p.overlap_grad_reduce, p.use_distributed_optimizer)
+    ddp = parallel_data.wrap(config, model, p.overlap_grad_reduce, optimizers.ddp_shards_gradients(recipe))
     return config, model, ddp
 
 
 def build_optimizer(recipe: Recipe, config, ddp, schedule: Optional[dict] = None):
-    """megatron-core's optimizer (Adam or SGD; weight decay off for norms and 1-D parameters) and its
-    learning-rate scheduler following ``schedule`` (default: the recipe's, ``lr_schedule``)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """The run's optimizer (``fbt_megatron.optimizers``: megatron-core's Adam or SGD with weight
+    decay off for norms and 1-D parameters, or NorMuon for the matrices + Adam for the rest) and
+    its learning-rate scheduler following ``schedule`` (default: the recipe's, ``lr_schedule``)."""
+    from fbt_megatron import optimizers
 
-    o = recipe.optimizer
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer=o.optimizer,
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            sgd_momentum=o.sgd_momentum,
-            clip_grad=o.clip_grad,
-            bf16=o.bf16,
-            fp16=o.fp16,
-            loss_scale=o.loss_scale,
-            params_dtype=config.params_dtype,
-            use_distributed_optimizer=recipe.parallel.use_distributed_optimizer,
-        ),
-        [ddp],
-    )
+    optimizer = optimizers.build_optimizer(recipe, config, ddp)
     config.grad_scale_func = optimizer.scale_loss
     return optimizer, build_scheduler(optimizer, schedule or lr_schedule(recipe))
 
@@ -97,6 +83,10 @@ def lr_schedule(recipe: Recipe) -> dict:
     o = recipe.optimizer
     schedule = {"lr": o.lr, "min_lr": o.min_lr, "lr_warmup_iters": o.lr_warmup_iters,
                 "train_iters": recipe.training.train_iters, "lr_decay_style": o.lr_decay_style, "weight_decay": o.weight_decay}
+    if o.weight_decay_schedule != "constant":  # recorded when not the default: older checkpoints stay resumable
+        schedule["weight_decay_schedule"] = o.weight_decay_schedule
+    if o.optimizer == "normuon":
+        schedule["adam_lr"] = o.lr if o.adam_lr is None else o.adam_lr
     if o.lr_decay_style == "WSD":
         schedule.update(lr_wsd_decay_style=o.lr_wsd_decay_style, lr_wsd_decay_fraction=o.lr_wsd_decay_fraction)
     return schedule
@@ -107,23 +97,29 @@ def _wsd_decay_iters(schedule: dict) -> int:
 
 
 def cooldown_start(schedule: dict) -> Optional[int]:
-    """The first step of the cooldown, where the learning rate decays from its peak (WSD: the last
-    ``lr_wsd_decay_fraction`` of the run; cosine and linear: from the end of warmup; constant: none).
-    AdamC's weight decay and the z-loss switch on there."""
+    """The first step of the cooldown: the first 0-based iteration whose learning rate is below its
+    peak (WSD: the last ``lr_wsd_decay_fraction`` of the run; cosine and linear: after warmup;
+    constant: none). megatron-core's scheduler keeps the peak at the decay's start step
+    (lr(i) = peak for i <= start), so the cooldown begins one later. AdamC's weight decay and the
+    z-loss switch on there."""
     style = schedule["lr_decay_style"]
     if style == "WSD":
-        return schedule["train_iters"] - _wsd_decay_iters(schedule)
-    return None if style == "constant" else schedule["lr_warmup_iters"]
+        return schedule["train_iters"] - _wsd_decay_iters(schedule) + 1
+    return None if style == "constant" else schedule["lr_warmup_iters"] + 1
 
 
 def build_scheduler(optimizer, schedule: dict):
-    """megatron-core's OptimizerParamScheduler for ``schedule``. It is the curve this run chose
-    (``choose_schedule``), so loading a checkpoint restores only its step count."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    """megatron-core's OptimizerParamScheduler for ``schedule`` (with AdamC weight decay in the
+    cooldown when asked: ``optimizers.schedule``). It is the curve this run chose
+    (``choose_schedule``), so loading a checkpoint restores only its step count. Every param group
+    peaks at its own ``max_lr`` (Adam's at ``adam_lr`` under normuon)."""
+    from fbt_megatron.optimizers.schedule import WeightDecayScheduler
 
     wsd = schedule["lr_decay_style"] == "WSD"
-    return OptimizerParamScheduler(
+    adamc = schedule.get("weight_decay_schedule") == "adamc"
+    return WeightDecayScheduler(
         optimizer,
+        adamc_from=cooldown_start(schedule) if adamc else None,
         init_lr=0.0,
         max_lr=schedule["lr"],
         min_lr=schedule["min_lr"],
@@ -154,6 +150,10 @@ def describe_schedule(schedule: dict, train_iters: int) -> str:
         parts.append(f"{s['lr_decay_style']} decay to {s['min_lr']:.1e} at step {end}")
     if train_iters > end and s["lr_decay_style"] != "constant":
         parts.append(f"then {s['min_lr']:.1e} to step {train_iters}")
+    if "adam_lr" in s:
+        parts.append(f"Adam's peak {s['adam_lr']:.1e}")
+    if s.get("weight_decay_schedule") == "adamc":
+        parts.append("AdamC weight decay in the cooldown")
     return ", ".join(parts)
 
 
@@ -429,7 +429,9 @@ def header(recipe: Recipe, model, vocab: int, data: Data, schedule: dict, start:
         f"pp {p.pipeline_model_parallel_size}, cp {p.context_parallel_size}, dp {parallel_state.get_data_parallel_world_size()}); "
         f"steps {start}→{t.train_iters} of {t.global_batch_size} × {recipe.data.seq_length} tokens\n"
         f"  learning rate: {describe_schedule(schedule, t.train_iters)}\n"
-        f"  passes: {pass_schedule(recipe).describe()}"
+        f"  passes: {pass_schedule(recipe).describe()}\n"
+        f"  model FLOPs per token (fwd+bwd, fbt_megatron.plan.flops): "
+        + ", ".join(f"{flops_per_token(model.config, k):.3g} at k = {k}" for k in sorted(pass_schedule(recipe).expected_passes(t.train_iters)))
     )
 
 
@@ -439,6 +441,11 @@ def train(recipe: Recipe) -> List[dict]:
     if t.threads:
         torch.set_num_threads(t.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if t.dry_run:  # the plan for this world (fbt_megatron.plan), before any process group or data
+        from fbt_megatron.plan.planner import print_plan
+
+        print_plan(recipe, world)
+        return []
     recipe.validate(world)
     warmup_note = recipe.clamp_warmup()
     saved = resume_state(recipe)
@@ -453,6 +460,7 @@ def train(recipe: Recipe) -> List[dict]:
     config, model, ddp = build_model(recipe, vocab)
     optimizer, scheduler = build_optimizer(recipe, config, ddp, schedule)
     passes = pass_schedule(recipe)
+    pass_shares = PassShares(passes)
     state = TrainState(pass_schedule=passes.state_dict(), model=recipe.to_dict()["model"], lr_schedule=schedule,
                        recipe=recipe.to_dict(), vocab_size=vocab)
 
@@ -470,14 +478,18 @@ def train(recipe: Recipe) -> List[dict]:
         notes = [warmup_note, schedule_note, validation_note(data.valid, recipe)]
         print("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *filter(None, notes)]), flush=True)
     tokens_per_step = t.global_batch_size * recipe.data.seq_length
+    throughput = Throughput(config, dist.get_world_size(), peak_tflops(g.peak_tflops), state.tokens, state.compute_tokens)
     records, window_time, window_steps = [], 0.0, 0
     while state.iteration < t.train_iters:
         k = passes(state.iteration)
         start = time.perf_counter()
         log_step = (state.iteration + 1) % g.log_interval == 0 or state.iteration + 1 == t.train_iters
         ddp.start_step(k)
+        model.z_loss.start_step(z_loss_coefficient(t, cooldown_start(schedule), state.iteration))
         optimizer.zero_grad()
         report = run_schedule(recipe, ddp, data.train, state.consumed_samples, k, forward_only=False, measure_deltas=log_step)
+        if report and t.z_loss_coeff:  # logged from the first step: 0 before the z-loss switches on
+            report["z_loss"] = model.z_loss.value(config)
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         window_time += time.perf_counter() - start
@@ -506,6 +518,10 @@ def train(recipe: Recipe) -> List[dict]:
                 "tokens": state.tokens,
                 "compute_tokens": state.compute_tokens,
             }
+            record.update(throughput.fields(record))  # tokens/s and model TFLOP/s per GPU, MFU (fbt_megatron.plan.flops)
+            record.update(pass_shares(state.iteration))  # the step's pass-schedule phase, the share of each k so far
+            if "z_loss" in report:  # `loss` is the objective, cross-entropy + z; `pass_losses` stay cross-entropy
+                record.update(z_loss=report["z_loss"], loss=record["loss"] + report["z_loss"])
             window_time, window_steps = 0.0, 0
             if t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters):
                 record.update(evaluate(recipe, config, ddp, data.valid))

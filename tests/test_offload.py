@@ -40,9 +40,10 @@ def activation_bytes(model, passes_times_layers):
 @pytest.mark.parametrize(
     "overrides,regions",
     [
-        (dict(recompute_passes=True), 3 + 2),  # e_t in each of 3 passes, s^{(1)}, s^{(2)}
+        (dict(recompute_passes=True), 2 + 1),  # e_t of passes 1, 2 and s^{(1)}: pass 3 is not recomputed
         (FULL, 3 * 4),  # every layer's input in every pass (4 layers)
-        (dict(recompute_passes=True, **FULL), 3 + 2),  # the layers' inputs are only saved in backward
+        # passes 1, 2 as above (their layers' inputs are only saved in backward); pass 3's layer inputs
+        (dict(recompute_passes=True, **FULL), 2 + 1 + 4),
     ],
     ids=["pass_level", "megatron_full", "both"],
 )
@@ -55,13 +56,14 @@ def test_offloaded_bytes_are_the_recompute_inputs(overrides, regions):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_fed_back_state_leaves_the_device_until_backward(offload):
-    """Pass j's checkpoint saves the carried state s^{(j−1)}: without offloading autograd keeps
-    that tensor alive until backward; with it only the host copy is kept."""
+    """Pass 2's checkpoint saves the carried state s^{(1)}: without offloading autograd keeps that
+    tensor alive until backward; with it only the host copy is kept. Pass 3 (the last, not
+    recomputed) saves only tensors computed from s^{(2)}, which is freed either way."""
     _, out, states = run_forward(recompute_passes=True, offload_recompute_inputs=offload)
     gc.collect()
     alive = [ref() is not None for ref in states]
     assert len(alive) == 2
-    assert alive == [not offload, not offload]
+    assert alive == [not offload, False]
     out.loss.backward()
 
 

@@ -3,7 +3,8 @@
 1. the environment (GPUs, torch, megatron-core, Transformer Engine);
 2. the Transformer Engine spec against the local spec with the same weights: per-pass losses and
    gradients of the k-pass step, k = 1, 2, 3, in FP32 (TF32 off); then BF16 and FP8 (delayed scaling);
-3. fbt-1b throughput, MFU and peak memory in BF16 for k = 1, 2, 3 and k = 3 with recompute_passes;
+3. fbt-1b throughput, MFU and peak memory in BF16 for k = 1, 2, 3 and k = 3 with recompute_passes (and
+   the planner's memory estimate, fbt_megatron/plan, against the measured peak at k = 3);
    then at long context (32K), k = 3, the recompute inputs kept on the GPU against offloaded to host
    memory by offload_recompute_inputs and by DeepSpeed's cpu_checkpointing (when installed): peak
    memory, step time, and the same gradients;
@@ -57,8 +58,6 @@ TOL = {
     "fp8 loss": 1e-2,  # relative, FP8 TE vs BF16 TE
     "tp loss": 1e-4,  # relative, TP=2 or CP=2 vs 1 GPU, every logged per-pass loss over 12 FP32 training steps (CPU/gloo TP: 1e-7)
 }
-# dense BF16 tensor-core peak per GPU (FLOP/s), first matching name wins; FBT_PEAK_FLOPS overrides
-PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("B200", 2250e12)]
 TP_STEPS = 12
 
 rows = []  # (check, value, tolerance / goal, PASS | FAIL | INFO | SKIP)
@@ -255,31 +254,25 @@ def equivalence():
 
 # ---------------------------------------------------------------- 3. fbt-1b performance
 def peak_flops():
+    """Dense BF16 peak FLOP/s of this GPU (the planner's table, fbt_megatron/plan/gpus.py); FBT_PEAK_FLOPS overrides."""
+    from fbt_megatron.plan.gpus import from_device_name
+
     if os.environ.get("FBT_PEAK_FLOPS"):
         return float(os.environ["FBT_PEAK_FLOPS"]), "FBT_PEAK_FLOPS"
     name = torch.cuda.get_device_name()
-    return next(((f, key) for key, f in PEAK_BF16 if key in name), (None, name))
+    gpu = from_device_name(name)
+    return (gpu.bf16_tflops * 1e12, gpu.name) if gpu else (None, name)
 
 
-def mean_context(seq, window):
-    """Keys a causal query attends to, averaged over positions: (s+1)/2, or mean_t min(t, W) with a window."""
-    w = seq if window is None else min(window, seq)
-    return (w * (w + 1) / 2 + (seq - w) * w) / seq
+def planned_memory(model, micro_batch, seq, k) -> float:
+    """The planner's peak-memory estimate (fbt_megatron/plan/memory.py) for this bare-model step, GiB:
+    BF16 weights and their BF16 .grad (no DDP buffer, no optimizer here) plus the activations."""
+    from fbt_megatron.plan import memory
 
-
-def step_flops(model, tokens, k):
-    """Model FLOPs of one k-pass step (forward + backward = 3 x forward; recompute not counted)."""
-    c = model.config
-    n_layers = sum(p.numel() for n, p in model.named_parameters() if n.startswith("decoder.") and p.dim() >= 2)
-    dense = n_layers + c.vocab_size * c.hidden_size  # + the logits GEMM (tied embedding)
-
-    def window(layer):  # 1-based; every full_attention_every-th layer is global
-        global_layer = c.full_attention_every and layer % c.full_attention_every == 0
-        return None if global_layer else c.sliding_window
-
-    context = sum(mean_context(c.seq_length, window(layer)) for layer in range(1, c.num_layers + 1))
-    per_pass = 6 * dense + 12 * c.num_attention_heads * c.kv_channels * context
-    return tokens * (k * per_pass + (k - 1) * 6 * 2 * c.hidden_size**2), n_layers  # fusion W_U, W_G in passes 2..k
+    params = sum(p.numel() for p in model.parameters())
+    layout = memory.Layout(micro_batch_size=micro_batch, seq_length=seq, half=True, transformer_engine=True)
+    stage = memory.Stage(rank=0, layers=model.config.num_layers, params=params, matrix_params=0, matrix_rows=0, first=True, last=True)
+    return (4 * params + memory.activations(model.config, layout, stage, k).total) / 2**30
 
 
 def performance(seq, micro_batch, steps):
@@ -289,12 +282,11 @@ def performance(seq, micro_batch, steps):
     model = build(True, "fbt-1b", seq_length=seq, **BF16)
     batch = make_batch(model.config.vocab_size, seq, micro_batch)
     tokens = micro_batch * seq
-    _, n_layers = step_flops(model, tokens, 1)
+    from fbt_megatron.plan.flops import flops_per_token
+
     c = model.config
-    print(f"MFU = model FLOPs / step time / peak; model FLOPs per step = b*s*[k*(6*(N + V*D) + 12*h*d_h*sum_l c_l)"
-          f" + (k-1)*12*D^2], N = {n_layers:,} layer matrix params, V*D = {c.vocab_size * c.hidden_size:,} (logits), "
-          f"c_l = mean attended keys of layer l (causal (s+1)/2, window W: mean_t min(t, W)), 12*D^2: the fusion; "
-          f"forward+backward of the k-pass step, no optimizer step")
+    print("MFU = model FLOPs / step time / peak; model FLOPs per token of a k-pass step (fbt_megatron/plan/flops.py): "
+          "3*[k*(2*N + 2*V*D + 4*h*d_h*sum_l c_l) + (k-1)*4*D^2], forward+backward, no optimizer step")
     for label, k, recompute in [("k=1", 1, False), ("k=2", 2, False), ("k=3", 3, False), ("k=3 recompute_passes", 3, True)]:
         c.recompute_passes = recompute
         model.zero_grad(set_to_none=True)
@@ -315,8 +307,12 @@ def performance(seq, micro_batch, steps):
             record(f"fbt-1b BF16 {label}", "OOM")
             continue
         t = statistics.median(times)
-        mfu = step_flops(model, tokens, k)[0] / t / peak if peak else None
+        mfu = tokens * flops_per_token(c, k) / t / peak if peak else None
         mem = torch.cuda.max_memory_allocated() / 2**30
+        if label == "k=3":  # the one planner row: its estimate against the allocator's peak
+            planned = planned_memory(model, micro_batch, seq, k)
+            record("planner memory estimate, fbt-1b BF16 k=3", f"{planned:.1f} vs {mem:.1f} GiB measured ({planned / mem:.2f}x)",
+                   "within 20%", abs(planned / mem - 1) <= 0.2)
         mfu_text = f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a (set FBT_PEAK_FLOPS)"
         print(f"{label}: {t * 1e3:.0f} ms/step (median of {steps}), {tokens / t:,.0f} tokens/s, {mfu_text}, peak memory {mem:.1f} GiB")
         record(f"fbt-1b BF16 {label}", f"{tokens / t:,.0f} tok/s, {mfu_text}, {mem:.1f} GiB")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One short check of a GPU machine (about 10 minutes on an H100/H200): environment; Transformer Engine
 # spec vs local spec with the same weights (FP32 with TF32 off, BF16, FP8; k = 1, 2, 3); fbt-1b tokens/s,
-# MFU and peak memory; at 32K, k = 3, recompute inputs kept vs offloaded (ours, and DeepSpeed's
+# MFU and peak memory (and the planner's estimate of it); at 32K, k = 3, recompute inputs kept vs offloaded (ours, and DeepSpeed's
 # cpu_checkpointing when installed); with 2+ GPUs, TP=2 and CP=2 vs 1 GPU through the training entry point. Ends with a
 # PASS/FAIL table. Exit code: 0 all passed, 1 a check failed, 2 no CUDA or no Transformer Engine.
 #

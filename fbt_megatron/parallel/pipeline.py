@@ -12,11 +12,15 @@ rides on the state it sends (``_AttachLoss``: identity forward, and its backward
 loss's gradient); pass k's loss goes through the schedule's loss function. Microbatches stay
 pipelined across stages and passes; k may change every step (the chunk count is set per call).
 For k = 1 this is megatron-core's plain 1F1B schedule.
+
+With ``recompute_passes`` a chunk is not checkpointed when the schedule runs its backward right
+after its forward (``backward_next``): in 1F1B that is pass k on the last stage.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from types import SimpleNamespace
+from typing import List, Optional, Set, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -84,11 +88,53 @@ def _whole_model_step(num_passes: int, measure_deltas: bool, data_iterator, mode
     return out.loss, lambda loss: (loss, report)
 
 
+def backward_next(config, num_passes: int, num_microbatches: int) -> Set[Tuple[int, int]]:
+    """The (pass j, microbatch) chunks whose backward megatron-core's (interleaved) 1F1B schedule runs
+    on this rank right after their forward: checkpointing those would only add a forward.
+
+    It replays the schedule's order from megatron-core's own warm-up count and schedule table:
+    warm-up forwards, then per step one forward and one backward, then the remaining backwards; a
+    backward of chunk c takes c's oldest pending forward. This finds pass k on the last stage —
+    for every microbatch unless the last microbatch group is smaller than the others, whose pass-k
+    forwards then run ahead of their backwards. On earlier stages a backward waits for the later
+    stages, so other chunks' forwards always run in between (a chunk left unrecomputed there would
+    hold its activations across them: more memory, not a skipped cost)."""
+    group = config.microbatch_group_size_per_vp_stage
+    communicator = SimpleNamespace(  # what get_pp_rank_microbatches reads of the schedule's communicator
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        virtual_pipeline_model_parallel_size=num_passes if num_passes > 1 else None,
+    )
+    total, _, warmup, _ = schedules.get_pp_rank_microbatches(
+        num_microbatches, num_passes, group, overlap_moe_expert_parallel_comm=config.overlap_moe_expert_parallel_comm,
+        p2p_communicator=communicator,
+    )
+    table = schedules.get_schedule_table(num_microbatches, num_passes, group)  # virtual id → (microbatch, chunk)
+    order = [("F", v) for v in range(warmup)]
+    for i in range(total - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(total - warmup, total)]
+    pending = {c: [] for c in range(num_passes)}  # chunk → microbatches forwarded, backward not yet run
+    found, last_forward = set(), None
+    for kind, v in order:
+        if kind == "F":
+            m, c = table[v]
+            pending[c].append(m)
+            last_forward = (c, m)
+            continue
+        c = num_passes - 1 - table[v][1]  # backward runs the chunks in reverse
+        chunk = (c, pending[c].pop(0))
+        if chunk == last_forward:
+            found.add((c + 1, chunk[1]))
+        last_forward = None
+    return found
+
+
 class _PassChunkStep:
     """PP > 1: the forward step of virtual chunk j − 1 = pass j on this stage."""
 
-    def __init__(self, config, num_passes: int, num_microbatches: int, measure_deltas: bool):
+    def __init__(self, config, num_passes: int, num_microbatches: int, measure_deltas: bool, forward_only: bool):
         self.config, self.k, self.m, self.measure_deltas = config, num_passes, num_microbatches, measure_deltas
+        self.backward_next = set() if forward_only else backward_next(config, num_passes, num_microbatches)
         self.weights = pass_weights(config, num_passes)
         self.passes = {}  # microbatch → (losses, deltas, last top state) on the last stage
         self.loss_tokens = {}  # microbatch → its loss tokens over whole sequences (CP), counted once
@@ -104,7 +150,8 @@ class _PassChunkStep:
         module = _unwrap(model)
         labels = batch["labels"] if module.post_process else None
         feedback_fn = default_feedback(module, batch["tokens"], batch["seeds"])
-        out, top = run_pass(module, batch["tokens"], labels, j, module.received, feedback_fn)
+        out, top = run_pass(module, batch["tokens"], labels, j, module.received, feedback_fn,
+                            backward_next=(j, m) in self.backward_next)
         if not module.post_process:
             return out, None  # hidden states, sent to the next stage
         if m not in self.loss_tokens:
@@ -137,7 +184,7 @@ def forward_backward(
         step = lambda it, model: _whole_model_step(num_passes, measure_deltas, it, model)  # noqa: E731
         return schedules.forward_backward_no_pipelining(forward_step_func=step, data_iterator=tagged(1), model=[ddp], **common)
     assert not config.detach_feedback, "detach_feedback (an ablation) is not supported with pipeline parallelism"
-    step = _PassChunkStep(config, num_passes, len(batches), measure_deltas)
+    step = _PassChunkStep(config, num_passes, len(batches), measure_deltas, forward_only)
     config.batch_p2p_comm = pp > 2  # batched p2p pairs wrongly on the PP=2 ring (prev = next rank)
     if num_passes == 1:
         return schedules.forward_backward_pipelining_without_interleaving(

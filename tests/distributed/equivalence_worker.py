@@ -10,7 +10,8 @@ k ∈ {1, 2, 3} runs two optimizer steps of k passes on the same global batches.
   <out>/<mode>_k<k>/params             the weights after the second step, as a checkpoint
   <out>/overlap.json                   per (mode, k): where the second step's reductions started
   <out>/offload.json                   per rank: its pipeline stage, layers, and per (mode, k) the bytes
-                                       offloaded to host memory over the two steps
+                                       offloaded to host memory and the calls of its first layer (forwards
+                                       and recomputes) over the two steps
 Checkpoints are megatron-core dist_checkpointing ones, so the test reads every layout's at
 TP=PP=1 and compares tensor by tensor. ``--create-seed`` (one process) writes the seed first.
 """
@@ -109,7 +110,7 @@ def main():
         (out / "model.json").write_text(json.dumps({"vocab_size": vocab, "seq_length": recipe.data.seq_length, **recipe.model_overrides}))
 
     reporter = dist.get_rank() == dist.get_world_size() - 1  # last stage, last TP and DP rank
-    losses, deltas, overlap, offloaded = {}, {}, {}, {}
+    losses, deltas, overlap, offloaded, layer_calls = {}, {}, {}, {}, {}
     base = dict(recipe.model_overrides)
     for mode in args.modes.split(","):
         for k in map(int, args.passes.split(",")):
@@ -118,6 +119,8 @@ def main():
             checkpointing.load(args.seed_checkpoint, model, None, None)
             optimizer, _ = train.build_optimizer(recipe, config, ddp)
             steps, step_deltas, launches = [], [], record_launches(ddp)
+            calls = []
+            model.decoder.layers[0].register_forward_hook(lambda *_: calls.append(1))
             STATS.reset()
             for step in range(2):
                 launches.clear()  # keep the second step's: the first learns when to launch
@@ -135,9 +138,10 @@ def main():
             losses[f"{mode}_k{k}"], overlap[f"{mode}_k{k}"] = steps, list(launches)
             deltas[f"{mode}_k{k}"] = step_deltas
             offloaded[f"{mode}_k{k}"] = STATS.bytes
+            layer_calls[f"{mode}_k{k}"] = len(calls)
     ranks = [None] * dist.get_world_size()
     stage = dict(pp_rank=parallel_state.get_pipeline_model_parallel_rank(), layers=len(model.decoder.layers),
-                 bytes=offloaded)
+                 bytes=offloaded, layer_calls=layer_calls)
     dist.all_gather_object(ranks, stage)
     if reporter:
         (out / "losses.json").write_text(json.dumps(losses))

@@ -1,0 +1,45 @@
+"""``python -m fbt_megatron.plan --recipe R --nodes N --gpus-per-node G [--gpu h100|h200|a100 |
+--gpu-memory-gb M] [--mfu 0.4] [any training flag]``: the plan of a run (``fbt_megatron.plan``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from fbt_megatron import flags
+from fbt_megatron.cli import quiet_library_warnings, run_cli
+from fbt_megatron.plan.gpus import GPUS
+from fbt_megatron.plan.planner import format_plan, make_plan
+from fbt_megatron.recipe import RecipeError
+
+PROG = "python -m fbt_megatron.plan"
+
+
+def parse(argv=None):
+    """(planner options, the recipe with training flags applied)."""
+    parser = flags.FlagParser(prog=PROG, add_help=False)
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=1)
+    parser.add_argument("--gpu", choices=sorted(GPUS))
+    parser.add_argument("--gpu-memory-gb", type=float)
+    parser.add_argument("--mfu", type=float, default=0.4)
+    args, rest = parser.parse_known_args(argv)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise RecipeError("--nodes and --gpus-per-node must be >= 1")
+    if args.gpu and args.gpu_memory_gb:
+        raise RecipeError("--gpu and --gpu-memory-gb are exclusive: pick one")
+    description = ("Plan a run: parameters, steps, layout, memory per GPU, FLOPs and wall time. Planner options: "
+                   "--nodes N --gpus-per-node G [--gpu " + "|".join(sorted(GPUS)) + " | --gpu-memory-gb M] [--mfu 0.4]; "
+                   "the training flags below override the recipe.")
+    return args, flags.parse(rest, prog=PROG, description=description)
+
+
+def main(argv=None) -> int:
+    quiet_library_warnings()
+    args, recipe = parse(argv)
+    plan = make_plan(recipe, args.nodes * args.gpus_per_node, GPUS.get(args.gpu), args.gpu_memory_gb, args.mfu)
+    print(format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,158 @@
+"""Peak memory of one training rank, estimated from the model's shapes and the parallel layout.
+
+Terms (bytes), for one pipeline stage:
+
+* **weights**: its parameters in the run's dtype (bf16/fp16: 2 bytes, else 4);
+* **gradients**: megatron DDP's gradient buffer, fp32 (``grad_reduce_in_fp32``): 4 bytes/parameter;
+* **optimizer**: fp32 main weights when the weights are bf16/fp16 (4), and the state: Adam 8
+  (two moments), SGD 4 (momentum), NorMuon 4 (momentum) per matrix parameter plus 4 per output
+  row (the per-row second moment), Adam's 8 for the rest; divided by DP with the distributed optimizer;
+* **activations**: what autograd keeps for backward at the step's peak (below);
+* **logits** are part of the activations of the last stage (fp32 cross-entropy, 4·b·s·V/TP per
+  pass held) and listed on their own.
+
+Activations per microbatch and pass (n = b·s/CP tokens, e = activation bytes, e_n the bytes of
+what norms keep: 4 with the local spec's torch norms, which keep FP32 copies, e with Transformer
+Engine's; TP shards what the layer computes per head or per FFN unit, and the D-wide tensors only
+under SP), counted for megatron-core's local spec and calibrated against ``SavedActivations`` on
+CPU in FP32 and BF16 (tests/test_plan.py):
+
+    layer  = n·(e_n·10·D/sp + e·(5·F + 6·h·d + 4·g·d + 2·h + 2·h·d [GQA: K/V expanded])/tp + 4·6)
+             + attention: local (unfused) b·h/tp·s²·(4 + e if half) (FP32 softmax, half probabilities)
+                          + s² (mask); Transformer Engine (flash) 4·b·h/tp·s (log-sum-exp)
+    first stage + n·e·D (embeddings); fused pass + n·((2·e_n + 4·e)·D/sp + e) (the fusion)
+    last stage  + n·e_n·(2·D + 3) (final norm) + 4·n·V/tp (FP32 logits in the cross-entropy)
+
+A step of k passes at PP = 1 holds all k passes (k·A + (k−1)·fusion). With ``recompute_passes``
+only the passes' inputs stay (e_t, and s^{(j−1)} for j ≥ 2: 2k − 3 tensors of n·D, none when
+offloaded) and the last pass is not recomputed (A + fusion). Full recompute keeps each layer's
+input (n·D, none when offloaded) and one layer's activations during backward. Under PP the k
+passes are virtual chunks of megatron's interleaved schedule: rank r holds up to
+2(PP − r − 1) + (k − 1)·PP + 1 chunks (1F1B at k = 1: PP − r microbatches) — an estimate from the
+schedule's warmup count, not measured here. Transient buffers (a GEMM's output before it is saved,
+the logits' gradient, communication buffers, allocator fragmentation) are not counted: keep some
+headroom (the planner refuses at 100% of the GPU's memory and warns above 90%).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+
+@dataclass
+class Layout:
+    """What the estimate needs besides the model config: the parallel layout and the batch."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    seq_length: int = 128
+    microbatches: int = 1
+    optimizer: str = "adam"
+    distributed_optimizer: bool = True
+    half: bool = False  # bf16/fp16 weights and activations
+    transformer_engine: bool = False  # TE spec (GPU): flash attention, norms that keep half-precision inputs
+
+
+@dataclass
+class Stage:
+    """One pipeline stage's parameters (per rank, TP shards) and what it holds besides its layers."""
+
+    rank: int
+    layers: int
+    params: int
+    matrix_params: int  # 2-D weights NorMuon would update (decoder and fusion matrices)
+    matrix_rows: int  # their output rows (NorMuon's second moment)
+    first: bool
+    last: bool
+
+
+@dataclass
+class Estimate:
+    terms: Dict[str, float] = field(default_factory=dict)  # bytes
+    logits: float = 0.0  # bytes of the activations that are logits (included in "activations")
+    stage: int = 0  # the pipeline stage (rank) estimated
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+def state_bytes(stage: Stage, layout: Layout) -> Dict[str, float]:
+    """weights, gradients and optimizer bytes of a stage's rank."""
+    p = stage.params
+    main = 4 * p if layout.half else 0
+    if layout.optimizer == "sgd":
+        state = 4 * p
+    elif layout.optimizer == "normuon":
+        state = 4 * stage.matrix_params + 4 * stage.matrix_rows + 8 * (p - stage.matrix_params)
+    else:
+        state = 8 * p
+    shard = layout.dp if layout.distributed_optimizer else 1
+    return {"weights": (2 if layout.half else 4) * p, "gradients": 4 * p, "optimizer": (main + state) / shard}
+
+
+def layer_activations(config, layout: Layout) -> float:
+    """Bytes one layer keeps for backward for one microbatch and pass (module docstring)."""
+    c, t = config, layout.tp
+    sp = t if layout.sequence_parallel else 1
+    n, e, e_n = layout.micro_batch_size * layout.seq_length / layout.cp, *_element_bytes(layout)
+    d, h = c.kv_channels, c.num_attention_heads
+    g = c.num_query_groups or h
+    per_head = 6 * h * d + 4 * g * d + 2 * h + (2 * h * d if g < h else 0)
+    linear = n * (e_n * 10 * c.hidden_size / sp + e * (5 * c.ffn_hidden_size + per_head) / t + 4 * 6)
+    s, b = layout.seq_length / layout.cp, layout.micro_batch_size
+    if layout.transformer_engine:
+        core = 4 * b * h / t * s
+    else:
+        core = b * h / t * s * s * (4 + (e if layout.half else 0)) + s * s
+    return linear + core
+
+
+def _element_bytes(layout: Layout) -> tuple:
+    """(e, e_n): bytes of an activation element, and of what the norms keep (module docstring)."""
+    e = 2 if layout.half else 4
+    return e, 4 if not layout.transformer_engine else e
+
+
+def activations(config, layout: Layout, stage: Stage, passes: int) -> Estimate:
+    """Peak activation bytes of a stage's rank for a step of ``passes`` passes (module docstring)."""
+    c, k = config, passes
+    sp = layout.tp if layout.sequence_parallel else 1
+    n, e, e_n = layout.micro_batch_size * layout.seq_length / layout.cp, *_element_bytes(layout)
+    hidden = n * e * c.hidden_size / sp  # one [s, b, D] tensor
+    layer = layer_activations(c, layout)
+    logits = 4 * n * c.vocab_size / layout.tp if stage.last else 0.0
+    edges = (n * e * c.hidden_size if stage.first else 0.0) + (n * e_n * (2 * c.hidden_size + 3) + logits if stage.last else 0.0)
+    fusion = n * ((2 * e_n + 4 * e) * c.hidden_size / sp + e) if stage.first and c.latent_feedback and k > 1 else 0.0
+    kept = 0.0 if c.offload_recompute_inputs else 1.0
+    full = c.recompute_granularity == "full"
+    # one pass (chunk) of one microbatch: all layers' activations, or (full recompute) their inputs
+    chunk = stage.layers * hidden * kept + max(layer, edges) if full else stage.layers * layer + edges
+    if layout.pp == 1:
+        chunks, held_logits = k, k
+    else:
+        warmup = 2 * (layout.pp - stage.rank - 1) + (k - 1) * layout.pp if k > 1 else layout.pp - stage.rank - 1
+        chunks = min(layout.microbatches * k, warmup + 1)
+        held_logits = chunks
+    fused = (k - 1) / k * chunks
+    if c.recompute_passes and k > 1:
+        inputs = (2 * k - 3) * hidden * kept if layout.pp == 1 else (chunks - 1) * hidden * (1 + kept * stage.first)
+        total = chunk + fusion + inputs
+        held_logits = 1
+    elif full:
+        # every chunk but the one in backward keeps its edges (logits), layer inputs and fusion
+        total = (chunks - 1) * (edges + stage.layers * hidden * kept) + fused * fusion + chunk
+    else:
+        total = chunks * chunk + fused * fusion
+    return Estimate({"activations": total}, logits=logits * held_logits)
+
+
+def estimate(config, layout: Layout, stage: Stage, passes: int) -> Estimate:
+    """All terms of a stage's rank at a step of ``passes`` passes."""
+    act = activations(config, layout, stage, passes)
+    return Estimate({**state_bytes(stage, layout), **act.terms}, logits=act.logits, stage=stage.rank)

@@ -1,0 +1,285 @@
+"""A recipe's plan for a world of GPUs: parameters, steps, layout, memory per GPU, FLOPs, wall time.
+
+The model is built on the meta device (shapes only, no memory: fast for fbt-1b) at TP = PP = 1;
+per-rank counts follow from megatron's sharding: the column/row-parallel linears and the
+vocab-parallel embedding are split over TP, everything else (norms, the fusion) is replicated; PP
+gives each stage its share of the layers, the first stage the embedding and fusion, the last the
+final norm and (tied, PP > 1) a copy of the embedding for the logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from fbt_megatron.plan import flops as flops_lib
+from fbt_megatron.plan import memory
+from fbt_megatron.plan.gpus import GPU
+from fbt_megatron.recipe import Recipe, RecipeError
+
+HEADROOM = 0.9  # above this share of the GPU's memory the plan warns (transients, fragmentation)
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    world_size: int
+    gpu: Optional[GPU]
+    gpu_memory: Optional[float]  # bytes
+    mfu: float
+    config: object
+    params_total: int
+    fusion_params: int
+    stages: List[memory.Stage]
+    layout: memory.Layout
+    steps_per_k: Dict[int, float]
+    max_passes: int
+    memory: Dict[str, memory.Estimate]  # the worst stage's estimate under each activation setting
+    chosen: str  # the recipe's own activation setting (a key of ``memory``)
+    flops_single: float  # per token, k = 1
+    flops_expected: float  # per token, averaged over the pass schedule
+    tokens: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def train_seconds(self) -> Optional[float]:
+        peak = self.peak_tflops
+        return None if peak is None else self.flops_expected * self.tokens / (self.world_size * peak * 1e12 * self.mfu)
+
+    @property
+    def peak_tflops(self) -> Optional[float]:
+        return self.recipe.logging.peak_tflops or (self.gpu.bf16_tflops if self.gpu else None)
+
+
+@contextlib.contextmanager
+def _single_process_group():
+    """megatron's parallel state for one process at TP = PP = 1 while the meta model is built
+    (a private one when none exists: ``--dry-run`` plans before the run's own is created)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def model_config(recipe: Recipe, vocab_size: int):
+    """The FBTConfig the run builds (``train.build_model``'s fields), for TP = PP = 1 on the meta device."""
+    from fbt_megatron.config import make_config
+
+    o = recipe.optimizer
+    return make_config(recipe.model.preset, **{
+        **recipe.model_overrides, "vocab_size": vocab_size, "seq_length": recipe.data.seq_length,
+        "bf16": o.bf16, "fp16": o.fp16, "use_cpu_initialization": True, "perform_initialization": False,
+    })
+
+
+def vocab_size(recipe: Recipe) -> int:
+    """The embedding's rows: the corpus tokenizer's size (``data.vocab_size``) when the recipe prepares
+    its corpus, else the preset's (the user's tokenizer decides at run time), padded as the run pads."""
+    from fbt_megatron.config import PRESETS
+
+    d = recipe.data
+    raw = d.vocab_size if d.train_data_path is None else PRESETS[recipe.model.preset]["vocab_size"]
+    multiple = d.make_vocab_size_divisible_by * recipe.parallel.tensor_model_parallel_size
+    return math.ceil(raw / multiple) * multiple
+
+
+def stages(model, recipe: Recipe) -> List[memory.Stage]:
+    """Per-rank parameter counts of every pipeline stage (module docstring)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    p = recipe.parallel
+    tp, pp, layers = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, model.config.num_layers
+    if layers % pp:
+        raise RecipeError(f"parallel.pipeline_model_parallel_size {pp} does not divide the {layers} layers")
+    sharded = {name for name, module in model.named_modules()
+               if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))}
+    out = [memory.Stage(rank=r, layers=layers // pp, params=0, matrix_params=0, matrix_rows=0, first=r == 0, last=r == pp - 1)
+           for r in range(pp)]
+    for name, param in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        count = param.numel() // tp if module in sharded else param.numel()
+        rows = param.shape[0] // tp if module in sharded else param.shape[0]
+        if name.startswith("decoder.layers."):
+            owners = [out[int(name.split(".")[2]) // (layers // pp)]]
+        elif name.startswith("embedding."):
+            owners = [out[0]] + ([out[-1]] if pp > 1 else [])  # the tied output layer's copy
+        elif name.startswith("feedback_fusion."):
+            owners = [out[0]]
+        else:
+            owners = [out[-1]]
+        headwise_gate = name.endswith("self_attention.linear_gate.weight")  # Adam's, like the embedding
+        matrix = param.dim() == 2 and not name.startswith("embedding.") and not headwise_gate
+        for stage in owners:
+            stage.params += count
+            if matrix:
+                stage.matrix_params += count
+                stage.matrix_rows += rows
+    return out
+
+
+ACTIVATION_SETTINGS = {  # label: model fields
+    "plain": dict(recompute_passes=False, recompute_granularity=None, offload_recompute_inputs=False),
+    "recompute_passes": dict(recompute_passes=True, recompute_granularity=None, offload_recompute_inputs=False),
+    "recompute_passes + offload": dict(recompute_passes=True, recompute_granularity=None, offload_recompute_inputs=True),
+    "full recompute": dict(recompute_passes=False, recompute_granularity="full", offload_recompute_inputs=False),
+    "full recompute + offload": dict(recompute_passes=False, recompute_granularity="full", offload_recompute_inputs=True),
+}
+
+
+def _setting(config) -> str:
+    for label, fields in ACTIVATION_SETTINGS.items():
+        if all(getattr(config, k) == v for k, v in fields.items()):
+            return label
+    return "recipe"
+
+
+def make_plan(recipe: Recipe, world_size: int, gpu: Optional[GPU] = None, gpu_memory_gb: Optional[float] = None,
+              mfu: float = 0.4, transformer_engine: Optional[bool] = None) -> Plan:
+    """The plan of ``recipe`` on ``world_size`` GPUs (``gpu`` from the table, or only its memory);
+    RecipeError when the layout does not fit the world or the memory. ``transformer_engine``: count
+    the TE spec's activations (flash attention; default: on a GPU plan) or the local spec's (CPU)."""
+    from fbt_megatron.model import FBTModel
+    from fbt_megatron.train import pass_schedule
+
+    if not 0 < mfu <= 1:
+        raise RecipeError(f"--mfu must be in (0, 1], got {mfu}")
+    recipe.validate(world_size)
+    t, p, o = recipe.training, recipe.parallel, recipe.optimizer
+    config = model_config(recipe, vocab_size(recipe))
+    with _single_process_group(), torch.device("meta"):
+        model = FBTModel(config)
+    params = dict(model.named_parameters())
+    dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    te = (gpu is not None or gpu_memory_gb is not None) if transformer_engine is None else transformer_engine
+    layout = memory.Layout(
+        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size, dp=dp,
+        sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size, seq_length=recipe.data.seq_length,
+        microbatches=microbatches, optimizer=o.optimizer, distributed_optimizer=p.use_distributed_optimizer,
+        half=o.bf16 or o.fp16, transformer_engine=te,
+    )
+    schedule = pass_schedule(recipe)
+    steps_per_k = {k: n for k, n in sorted(schedule.expected_passes(t.train_iters).items()) if n > 0}
+    max_passes = max(k for phase in schedule.phases for k, w in phase.mixture.items() if w > 0)
+    if not config.latent_feedback and max_passes > 1:
+        raise RecipeError(f"passes: the schedule asks for k = {max_passes} but the model has no latent feedback (latent_feedback: false)")
+    stage_list = stages(model, recipe)
+    estimates = {}
+    chosen = _setting(config)
+    for label, fields in [*ACTIVATION_SETTINGS.items(), ("recipe", {})]:
+        if label == "recipe" and chosen != "recipe":
+            continue
+        varied = model_config(recipe, config.vocab_size)
+        for key, value in fields.items():
+            setattr(varied, key, value)
+        per_stage = [memory.estimate(varied, layout, s, max_passes) for s in stage_list]
+        estimates[label] = max(per_stage, key=lambda e: e.total)
+    plan = Plan(
+        recipe=recipe, world_size=world_size, gpu=gpu, mfu=mfu, config=config,
+        gpu_memory=gpu_memory_gb * 2**30 if gpu_memory_gb else (gpu.memory_bytes if gpu else None),
+        params_total=sum(q.numel() for q in params.values()),
+        fusion_params=sum(q.numel() for n, q in params.items() if n.startswith("feedback_fusion.")),
+        stages=stage_list, layout=layout, steps_per_k=steps_per_k, max_passes=max_passes, memory=estimates,
+        chosen=chosen, flops_single=flops_lib.flops_per_token(config, 1),
+        flops_expected=flops_lib.expected_flops_per_token(config, steps_per_k),
+        tokens=t.train_iters * t.global_batch_size * recipe.data.seq_length,
+    )
+    check_fits(plan)
+    return plan
+
+
+def check_fits(plan: Plan) -> None:
+    """Refuse (RecipeError, one line naming the largest term) a layout whose estimate exceeds the
+    GPU's memory; note one above ``HEADROOM`` of it."""
+    if plan.gpu_memory is None:
+        return
+    est = plan.memory[plan.chosen]
+    if est.total > plan.gpu_memory:
+        term, size = max(est.terms.items(), key=lambda kv: kv[1])
+        hint = " (try recompute_passes, recompute_granularity full, or a smaller micro batch)" if term == "activations" else \
+            " (try more TP/PP, or the distributed optimizer over more DP ranks)"
+        raise RecipeError(
+            f"does not fit: {gib(est.total)} GiB per GPU estimated (pipeline stage {est.stage}) > {gib(plan.gpu_memory)} GiB; "
+            f"{term} alone {gib(size)} GiB{hint}"
+        )
+    if est.total > HEADROOM * plan.gpu_memory:
+        plan.notes.append(f"warning: {est.total / plan.gpu_memory:.0%} of the GPU's memory: little headroom for transient buffers")
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:.1f}" if value >= 2**30 or value == 0 else f"{value / 2**30:.3f}"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    hours = seconds / 3600
+    return f"{hours / 24:.1f} days" if hours >= 48 else f"{hours:.1f} h" if hours >= 1 else f"{seconds / 60:.0f} min"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the text ``python -m fbt_megatron.plan`` and ``--dry-run`` print."""
+    r, lay, c = plan.recipe, plan.layout, plan.config
+    t = r.training
+    gpu = plan.gpu.name if plan.gpu else (f"{gib(plan.gpu_memory)} GiB GPU" if plan.gpu_memory else "no GPU (CPU)")
+    lines = [
+        f"plan: {r.model.preset}{'' if c.latent_feedback else ' (baseline: no latent feedback)'} on {plan.world_size} × {gpu}",
+        f"  model: {c.num_layers} layers, D {c.hidden_size}, FFN {c.ffn_hidden_size}, heads {c.num_attention_heads}/"
+        f"{c.num_query_groups or c.num_attention_heads} of {c.kv_channels}, vocabulary {c.vocab_size:,}, sequence {lay.seq_length:,}",
+        f"  parameters: {plan.params_total:,} ({_count(plan.params_total)}; fusion {plan.fusion_params:,}); per rank "
+        + ", ".join(f"stage {s.rank} {s.params:,}" for s in plan.stages) + f" (TP {lay.tp}, PP {lay.pp})",
+        f"  layout: TP {lay.tp} × PP {lay.pp} × CP {lay.cp} × DP {lay.dp} = {plan.world_size}"
+        f"{', sequence parallel' if lay.sequence_parallel else ''}"
+        f"{', distributed optimizer' if lay.distributed_optimizer else ''}",
+        f"  steps: {t.train_iters:,} × {t.global_batch_size} sequences × {lay.seq_length:,} tokens = "
+        f"{plan.tokens:,} tokens ({_count(plan.tokens)}); microbatches per step and DP rank: {lay.microbatches} of {lay.micro_batch_size}",
+        "  passes: " + ", ".join(f"k={k}: {n:,.0f} steps" for k, n in plan.steps_per_k.items())
+        + f" (expected; peak memory at k = {plan.max_passes})",
+        f"  FLOPs per token (model FLOPs, fwd+bwd): {plan.flops_single / 1e9:.4g} G at k = 1, "
+        f"{plan.flops_expected / 1e9:.4g} G with the pass schedule (×{plan.flops_expected / plan.flops_single:.3f}); "
+        f"run total {plan.flops_expected * plan.tokens:.3e}",
+    ]
+    if plan.train_seconds is not None:
+        lines.append(f"  wall time at {plan.mfu:.0%} MFU ({plan.peak_tflops:g} TFLOP/s peak per GPU): {_duration(plan.train_seconds)}")
+    else:
+        lines.append("  wall time: no peak TFLOP/s known (give --gpu or --peak-tflops)")
+    attention = "Transformer Engine spec" if lay.transformer_engine else "local spec (s × s attention scores)"
+    lines.append(f"  memory per GPU, GiB (the fullest pipeline stage, {attention}, micro batch {lay.micro_batch_size}, k = {plan.max_passes}):")
+    for label, est in plan.memory.items():
+        terms = ", ".join(f"{name} {gib(v)}" for name, v in est.terms.items())
+        mark = "  <- this recipe" if label == plan.chosen else ""
+        where = f"stage {est.stage}: " if lay.pp > 1 else ""
+        lines.append(f"    {label:<26} total {gib(est.total):>6}  ({where}{terms}; of which logits {gib(est.logits)}){mark}")
+    if plan.gpu_memory is not None:
+        lines.append(f"  fits: {gib(plan.memory[plan.chosen].total)} of {gib(plan.gpu_memory)} GiB")
+    return "\n".join(lines + plan.notes)
+
+
+def print_plan(recipe: Recipe, world_size: int) -> None:
+    """``train --dry-run``: the plan for this world and this machine's GPU (none on CPU), printed
+    once (rank 0); a layout that does not fit raises RecipeError on every rank."""
+    import os
+
+    from fbt_megatron.plan.gpus import current
+
+    plan = make_plan(recipe, world_size, current())
+    if os.environ.get("RANK", "0") == "0":
+        print(format_plan(plan), flush=True)

@@ -1,0 +1,160 @@
+"""The planner (``fbt_megatron.plan``): paper recipes plan on CPU with hand-computed figures, a
+layout that cannot fit is refused in one line, ``train --dry-run`` plans without data, the memory
+estimate matches a real CPU step, and MFU in the training log follows the FLOPs formula."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmark import Batch, SavedActivations, storage_ptrs
+from fbt_megatron import fbt, train
+from fbt_megatron.cli import run_cli
+from fbt_megatron.metrics import tensorboard_scalars
+from fbt_megatron.plan import format_plan, make_plan, memory
+from fbt_megatron.plan.__main__ import main as plan_main
+from fbt_megatron.plan.flops import flops_per_token
+from fbt_megatron.plan.gpus import GPUS
+from fbt_megatron.plan.planner import vocab_size
+from fbt_megatron.recipe import Recipe, load_recipe
+from test_param_count import backbone_formula
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+PAPER = {  # recipe: (tokens, sequences per step, latent feedback)
+    "fbt_1b_100b": (100e9, 36, True), "fbt_1b_200b": (200e9, 36, True), "fbt_1b_400b": (400e9, 36, True),
+    "baseline_1b_100b": (100e9, 36, False), "baseline_1b_200b": (200e9, 36, False),
+    "baseline_1b_400b": (400e9, 36, False), "baseline_1b_1t": (1e12, 144, False),
+}
+L, D, F, V, H, G, DH = 24, 1536, 6656, 100352, 16, 8, 96  # fbt-1b
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_recipe_plans_with_hand_computed_figures(name):
+    tokens, sequences, feedback = PAPER[name]
+    plan = make_plan(load_recipe(str(ROOT / "recipes" / f"{name}.yaml")), 8, GPUS["h100"])  # one node: TP 2 x DP 4
+    steps = math.ceil(tokens / (sequences * 8192))
+    assert plan.recipe.training.train_iters == steps and plan.tokens == steps * sequences * 8192
+    fusion = 2 * D * D + D if feedback else 0
+    assert plan.params_total == 1_060_853_760 + fusion == backbone_formula(L, D, F, V, H, G, DH) + fusion
+    sharded = V * D + L * (D * (H + 2 * G) * DH + H * DH * D + D * H + 3 * D * F)  # TP 2 splits these
+    assert plan.stages[0].params == sharded // 2 + L * (4 * D + 2 * DH) + D + fusion
+    assert (plan.layout.tp, plan.layout.dp, plan.layout.microbatches) == (2, 4, sequences // 4)
+    start = round(0.75 * steps)  # the late mixture {1: 0.75, 2: 0.22, 3: 0.03} from 75% of the steps
+    expected = {1: start + 0.75 * (steps - start), 2: 0.22 * (steps - start), 3: 0.03 * (steps - start)} if feedback else {1: steps}
+    assert plan.steps_per_k == pytest.approx(expected)
+    k_mean = sum(k * n for k, n in expected.items()) / steps
+    assert plan.flops_expected / plan.flops_single == pytest.approx(k_mean + (k_mean - 1) * 12 * D * D / plan.flops_single)
+    text = format_plan(plan)
+    assert f"{steps:,} × {sequences} sequences" in text and "H100" in text and "wall time at 40% MFU" in text
+
+
+def hand_flops(k, layers=4, d=64, f=192, heads=4, groups=2, head_dim=16, vocab=2048, seq=128, window=32, every=2):
+    """F(k) per token written out for the tiny preset: attended keys counted position by position."""
+    matrices = layers * (d * (heads + 2 * groups) * head_dim + heads * head_dim * d + d * heads + 3 * d * f)
+    keys = sum(min(t, seq if layer % every == 0 else window) for layer in range(1, layers + 1) for t in range(1, seq + 1)) / seq
+    forward = 2 * matrices + 2 * vocab * d + 4 * heads * head_dim * keys
+    return 3 * (k * forward + (k - 1) * 2 * 2 * d * d)
+
+
+def test_flops_per_token_is_the_hand_formula():
+    plan = make_plan(load_recipe(str(ROOT / "recipes" / "tiny_cpu.yaml")), 1)
+    for k in (1, 2, 3):
+        assert flops_per_token(plan.config, k) == pytest.approx(hand_flops(k), rel=1e-12)
+    assert plan.flops_expected == pytest.approx((600 * hand_flops(1) + 176 * hand_flops(2) + 24 * hand_flops(3)) / 800)
+
+
+def test_a_layout_that_cannot_fit_is_refused_in_one_line(capsys):
+    argv = ["--recipe", str(ROOT / "recipes" / "fbt_1b_100b.yaml"), "--nodes", "1", "--gpus-per-node", "4",
+            "--gpu-memory-gb", "24", "--tensor-model-parallel-size", "1", "--sequence-parallel", "false"]
+    with pytest.raises(SystemExit) as exit:
+        run_cli(lambda: plan_main(argv))
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("error: does not fit:") and "activations alone" in err and "> 24.0 GiB" in err
+    assert plan_main([*argv[:6], "--gpu-memory-gb", "80", *argv[8:], "--recompute-passes", "true"]) == 0  # fits with pass recompute
+
+
+def test_dry_run_prints_the_plan_without_data_or_process_group(tmp_path):
+    """The entry point in a fresh process, on a paper recipe whose data are placeholders."""
+    run = subprocess.run([sys.executable, "-m", "fbt_megatron.train", "--recipe", "recipes/fbt_1b_100b.yaml", "--dry-run",
+                          "--save", str(tmp_path / "run"), "--data-cache-path", str(tmp_path / "cache")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**ENV, "WORLD_SIZE": "8"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "plan: fbt-1b on 8 × no GPU (CPU)" in run.stdout and "339,085 × 36 sequences" in run.stdout
+    assert not any(tmp_path.iterdir())  # no run folder, no data cache
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+
+
+def _storage_bytes(tensors, exclude=frozenset()) -> int:
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(size for ptr, size in sizes.items() if ptr not in exclude)
+
+
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@pytest.mark.parametrize("passes, fields", [(1, {}), (3, {}), (1, dict(recompute_passes=True)), (3, dict(recompute_passes=True)),
+                                            (3, FULL), (3, dict(sliding_window=16, num_layers=2, hidden_size=128)),
+                                            (1, dict(bf16=True)), (3, dict(bf16=True, recompute_passes=True))])
+def test_memory_estimate_matches_a_real_cpu_step(passes, fields):
+    """Measured on a real step of the run's model, DDP and optimizer: parameters, DDP's gradient
+    buffers, the optimizer's state and FP32 main weights (storage bytes after the step), and the
+    peak of what autograd keeps for backward (``SavedActivations``: CPU tensors have no allocator
+    statistics)."""
+    recipe = Recipe()
+    fields = dict(fields)
+    recipe.optimizer.bf16 = fields.pop("bf16", False)
+    recipe.model_overrides.update(fields)
+    recipe.data.seq_length, recipe.training.micro_batch_size, recipe.training.global_batch_size = 64, 4, 4
+    recipe.passes.passes = passes
+    vocab = vocab_size(recipe)
+    config, model, ddp = train.build_model(recipe, vocab)
+    optimizer, _ = train.build_optimizer(recipe, config, ddp)
+    batch = Batch.random(4, 64, vocab, seed=0)
+    params = list(model.parameters())
+    ddp.start_step(passes)
+    optimizer.zero_grad()
+    with SavedActivations(storage_ptrs([*params, batch.tokens, batch.labels, batch.loss_mask])) as saved:
+        fbt.multi_pass_loss(model, batch.tokens, batch.labels, batch.loss_mask, passes, batch.seeds).loss.backward()
+    optimizer.step()
+    state, main = optimizer.optimizer.state, [p for group in optimizer.param_groups for p in group["params"]]
+    measured = {"weights": _storage_bytes(params), "gradients": sum(b.grad_data.nbytes for b in ddp.buffers),
+                "optimizer": _storage_bytes([*main, *_tensors({id(p): state[p] for p in state})], storage_ptrs(params)),
+                "activations": saved.peak}
+    plan = make_plan(recipe, 1)
+    estimate = memory.estimate(plan.config, plan.layout, plan.stages[0], passes)
+    assert estimate.terms["activations"] == pytest.approx(measured["activations"], rel=0.15)
+    assert estimate.total == pytest.approx(sum(measured.values()), rel=0.15)
+
+
+def test_mfu_in_the_log_follows_the_formula(small_corpus, tmp_path):
+    """A 2-step run logging once over a k = 1 and a k = 3 step: MFU and model TFLOP/s per GPU are
+    the formula's FLOPs of both steps over the window's time; without a peak (CPU) no MFU."""
+    threads = torch.get_num_threads()
+    flags = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null", "--seq-length", "64",
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--log-interval", "2",
+             "--eval-iters", "0", "--threads", "1", "--pass-phases", "[{start: 0.5, passes: 3}]", "--tensorboard", "false"]
+    try:
+        [record] = train.train(train.parse_args([*flags, "--peak-tflops", "0.001"]))
+        [plain] = train.train(train.parse_args(flags))
+    finally:
+        torch.set_num_threads(threads)
+    window_seconds = 2 * 2 * 64 / record["tokens_per_s"]
+    tflops = 2 * 64 * (hand_flops(1, seq=64, vocab=512) + hand_flops(3, seq=64, vocab=512)) / window_seconds / 1e12
+    assert record["model_tflops_per_gpu"] == pytest.approx(tflops, rel=1e-9)
+    assert record["mfu"] == pytest.approx(tflops / 0.001, rel=1e-9)
+    assert record["tokens_per_s_per_gpu"] == record["tokens_per_s"]  # one process
+    assert "mfu" not in plain and plain["model_tflops_per_gpu"] > 0
+    assert {"mfu", "throughput", "tokens-per-sec-per-gpu"} <= set(tensorboard_scalars(record))  # Megatron-style tags
