@@ -10,7 +10,7 @@ import torch
 
 from fbt_megatron import checkpointing
 from fbt_megatron.checkpointing import CheckpointError
-from test_train import SMALL, train, tree_hash
+from test_train import SMALL, train, train_many, tree_hash
 
 # Saves at 2 and 4 and stops; resuming with --train-iters 6 keeps the same learning-rate schedule.
 RUN = [*SMALL, "--train-iters", "6", "--save-interval", "2", "--exit-interval", "4", "--lr-decay-style", "constant"]
@@ -84,23 +84,22 @@ def test_each_damaged_file_is_named_with_the_older_checkpoint(run, tmp_path):
 
 @pytest.mark.slow
 def test_the_entry_point_says_it_in_one_line_and_resumes_from_the_older_one(run, tmp_path, small_corpus):
-    # a size problem (found before torch.distributed starts) and a content problem (found by load)
-    for name, how in (("__0_0.distcp", "truncated"), ("__0_1.distcp", "corrupted")):
-        copy = copy_of(run, tmp_path)
-        problem = damage(copy / NEWEST / name, how)
-        before = tree_hash(copy)
-        code, text = train(tmp_path / "bad.log", *RUN, "--exit-interval", "6", "--load", str(copy),
-                           corpus=small_corpus, expect_ok=False)
-        errors = [line for line in text.splitlines() if line.startswith("error:")]
-        assert code == 2 and errors == ["error: " + message(copy, problem)], text[-3000:]
-        assert "Traceback" not in text
-        assert tree_hash(copy) == before
-        shutil.rmtree(copy)
-    # the offered one trains on, saving over the damaged iteration 4 in the same folder
+    # a size problem (found before torch.distributed starts) and a content problem (found by load),
+    # then the offered older checkpoint trains on, saving over the damaged iteration 4 in the same folder
+    bad = [(copy_of(run, tmp_path, how), how) for how in ("truncated", "corrupted")]
+    problems = [damage(copy / NEWEST / name, how) for (copy, how), name in zip(bad, ("__0_0.distcp", "__0_1.distcp"))]
+    before = [tree_hash(copy) for copy, _ in bad]
     copy = copy_of(run, tmp_path)
     damage(copy / NEWEST / "__0_0.distcp", "truncated")
-    _, text = train(tmp_path / "ok.log", *RUN, "--exit-interval", "6", "--load", str(copy), "--save", str(copy),
-                    "--ckpt-step", "2", corpus=small_corpus)
+    *refused, (_, text) = train_many(
+        [(tmp_path / f"bad_{how}.log", [*RUN, "--exit-interval", "6", "--load", folder]) for folder, how in bad]
+        + [(tmp_path / "ok.log", [*RUN, "--exit-interval", "6", "--load", copy, "--save", copy, "--ckpt-step", "2"])],
+        corpus=small_corpus)
+    for (code, bad_text), (folder, _), problem, hashed in zip(refused, bad, problems, before):
+        errors = [line for line in bad_text.splitlines() if line.startswith("error:")]
+        assert code == 2 and errors == ["error: " + message(folder, problem)], bad_text[-3000:]
+        assert "Traceback" not in bad_text
+        assert tree_hash(folder) == hashed
     assert "step      6" in text, text[-2000:]
     assert (copy / checkpointing.TRACKER).read_text() == "6\n"
     assert checkpointing.iterations(copy) == [2, 4, 6] and checkpointing.latest_iteration(copy) == 6

@@ -1,31 +1,31 @@
 """The training command line as a person meets it (real subprocesses): a grouped, described
 ``--help`` (snapshot), and every mistake answered by one ``error:`` line."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fbt_megatron.flags import parse
 from fbt_megatron.recipe import RecipeError
+from forked import run_commands
 
 ROOT = Path(__file__).parent.parent
 SNAPSHOT = Path(__file__).parent / "snapshots" / "train_help.txt"
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
 
 
-def cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    run = subprocess.run([sys.executable, "-m", "fbt_megatron.train", *args], capture_output=True, text=True,
-                         cwd=ROOT, env=env, timeout=300)
-    return run.returncode, run.stdout, run.stderr
+def cli_many(folder: Path, *commands) -> list:
+    """(exit code, stdout, stderr) of ``python -m fbt_megatron.train *args`` for each command (each a
+    process of its own, tests/forked.py)."""
+    files = [(folder / f"{i}.out", folder / f"{i}.err") for i in range(len(commands))]
+    codes = run_commands("fbt_megatron.train", [(args, out, err) for args, (out, err) in zip(commands, files)])
+    return [(code, out.read_text(), err.read_text()) for code, (out, err) in zip(codes, files)]
 
 
-def test_help_is_grouped_described_and_typed():
+def test_help_is_grouped_described_and_typed(tmp_path):
     """Regenerate after an intended change: python -m fbt_megatron.train --help > tests/snapshots/train_help.txt"""
-    code, out, _ = cli("--help")
+    (code, out, _), (code_recipe, with_recipe, _), (code_all, everything, _) = cli_many(
+        tmp_path, ["--help"], ["--recipe", TINY, "--help"], ["--help-all"])
     assert code == 0
     assert out == SNAPSHOT.read_text(), "--help changed; see this test's docstring to update the snapshot"
     groups = [line[:-1] for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
@@ -33,26 +33,29 @@ def test_help_is_grouped_described_and_typed():
                       "optimizer and learning-rate schedule", "parallelism and memory", "checkpoint", "logging"]
     assert "--moe-" not in out and len(out.splitlines()) < 250  # megatron-core's pass-through fields: --help-all
 
-    code, with_recipe, _ = cli("--recipe", TINY, "--help")
-    assert code == 0 and "(default: 800)" in with_recipe  # the recipe's train_iters, not the dataclass's 100
-    code, everything, _ = cli("--help-all")
-    assert code == 0 and "--moe-router-topk INT" in everything and len(everything) > 2 * len(out)
+    assert code_recipe == 0 and "(default: 800)" in with_recipe  # the recipe's train_iters, not the dataclass's 100
+    assert code_all == 0 and "--moe-router-topk INT" in everything and len(everything) > 2 * len(out)
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--train-iter", "3"], "unknown flag --train-iter: did you mean --train-iters? (see --help)"),  # also: no abbreviations
-        (["--lerning-rate", "1e-3"], "unknown flag --lerning-rate"),
-        (["--lr", "-1e-3"], "optimizer.lr must be > 0, got -0.001"),  # scientific notation is a number
-        (["--lr", "0"], "optimizer.lr must be > 0, got 0.0"),
-        (["--lr"], "argument --lr: expected one argument (see --help)"),
-        (["--train-iters", "4", "5"], "unexpected argument '5'"),
-        (["--pass-phases", "[{start: 0.5"], "--pass-phases must be a list"),
-    ],
-)
-def test_every_cli_mistake_is_one_line(flags, message):
-    code, out, err = cli("--recipe", TINY, *flags)
+MISTAKES = [
+    (["--train-iter", "3"], "unknown flag --train-iter: did you mean --train-iters? (see --help)"),  # also: no abbreviations
+    (["--lerning-rate", "1e-3"], "unknown flag --lerning-rate"),
+    (["--lr", "-1e-3"], "optimizer.lr must be > 0, got -0.001"),  # scientific notation is a number
+    (["--lr", "0"], "optimizer.lr must be > 0, got 0.0"),
+    (["--lr"], "argument --lr: expected one argument (see --help)"),
+    (["--train-iters", "4", "5"], "unexpected argument '5'"),
+    (["--pass-phases", "[{start: 0.5"], "--pass-phases must be a list"),
+]
+
+
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory) -> list:
+    return cli_many(tmp_path_factory.mktemp("mistakes"), *(["--recipe", TINY, *flags] for flags, _ in MISTAKES))
+
+
+@pytest.mark.parametrize("case", range(len(MISTAKES)), ids=[message for _, message in MISTAKES])
+def test_every_cli_mistake_is_one_line(case, mistakes):
+    (_, message), (code, out, err) = MISTAKES[case], mistakes[case]
     assert code == 2 and out == "", (out, err)
     assert err.splitlines() == ["error: " + message] or (len(err.splitlines()) == 1 and message in err), err
 

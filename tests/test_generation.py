@@ -9,7 +9,8 @@ from fbt_megatron import fbt
 from fbt_megatron.generate import forced_logits, generate
 from fbt_megatron.generate.decoding import _Decoder
 from fbt_megatron.tasks.evaluate import pass_logits
-from helpers import build, launch, tokens
+from forked import run_commands
+from helpers import build, tokens
 from reference import Reference
 
 WINDOWED = dict(sliding_window=4, full_attention_every=2)  # layers 1, 3: window 4; layers 2, 4: global
@@ -248,29 +249,31 @@ def trained_runs(tmp_path_factory, tiny_run, tiny_baseline_run):
 
 @pytest.mark.slow
 def test_cli(trained_runs):
-    (runs, folder), log = trained_runs, trained_runs[1] / "generate.log"
-    code, out = launch(log, "fbt_megatron.generate", "--load", runs["fbt"], "--prompt", "def f(", "--prompt",
-                       "import os\nclass A:", "--mode", "soft", "--max-new-tokens", 8, "--ckpt-step", 4, "--threads", 1)
-    assert code == 0, out
-    assert "# mode soft: 1 prefill pass; greedy" in out and "--- 2 (" in out
-    body = out.split("--- 1 (")[1]
-    assert body.split("\n", 1)[1].startswith("def f(")  # the prompt, then its continuation
-
-    code, out = launch(log, "fbt_megatron.generate", "--load", runs["fbt"], "--prompt", "def f(", "--mode", "fused",
-                       "--fused-passes", 2, "--temperature", 0.8, "--top-p", 0.9, "--seed", 1, "--max-new-tokens", 4)
-    assert code == 0, out
-    assert "# mode fused(2): 3 prefill passes; temperature 0.8, top-p 0.9, seed 1" in out
-
-    code, out = launch(log, "fbt_megatron.generate", "--load", runs["fbt"], "--prompt-ids", "5 6 7", "--mode",
-                       "adaptive", "--tolerance", "1e-3", "--max-passes", 3, "--max-new-tokens", 2)
-    assert code == 0, out
-    assert "prefill passes used (tolerance 0.001, at most 3)" in out or "prefill pass used" in out
-
-    for args, message in (
+    runs, folder = trained_runs
+    commands = [
+        ("--load", runs["fbt"], "--prompt", "def f(", "--prompt", "import os\nclass A:", "--mode", "soft",
+         "--max-new-tokens", 8, "--ckpt-step", 4, "--threads", 1),
+        ("--load", runs["fbt"], "--prompt", "def f(", "--mode", "fused", "--fused-passes", 2, "--temperature", 0.8,
+         "--top-p", 0.9, "--seed", 1, "--max-new-tokens", 4),
+        ("--load", runs["fbt"], "--prompt-ids", "5 6 7", "--mode", "adaptive", "--tolerance", "1e-3", "--max-passes", 3,
+         "--max-new-tokens", 2),
+    ]
+    refused = [
         (("--load", str(folder / "missing"), "--prompt", "x"), "no such run folder"),
         (("--load", runs["fbt"], "--prompt", "x", "--mode", "beam"), "unknown mode"),
         (("--load", runs["baseline"], "--prompt", "x", "--mode", "soft"), "needs latent feedback"),
-    ):
-        code, out = launch(log, "fbt_megatron.generate", *args)
+    ]
+    logs = [folder / f"generate{i}.log" for i in range(len(commands) + len(refused))]
+    codes = run_commands("fbt_megatron.generate.__main__",
+                         [(list(map(str, args)), log, None) for args, log in zip([*commands, *(a for a, _ in refused)], logs)])
+    (soft, fused, adaptive), outs = codes[:3], [log.read_text() for log in logs]
+    assert soft == 0, outs[0]
+    assert "# mode soft: 1 prefill pass; greedy" in outs[0] and "--- 2 (" in outs[0]
+    body = outs[0].split("--- 1 (")[1]
+    assert body.split("\n", 1)[1].startswith("def f(")  # the prompt, then its continuation
+    assert fused == 0 and "# mode fused(2): 3 prefill passes; temperature 0.8, top-p 0.9, seed 1" in outs[1], outs[1]
+    assert adaptive == 0, outs[2]
+    assert "prefill passes used (tolerance 0.001, at most 3)" in outs[2] or "prefill pass used" in outs[2]
+    for (_, message), code, out in zip(refused, codes[3:], outs[3:]):
         errors = [line for line in out.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1 and message in errors[0], out

@@ -2,33 +2,33 @@
 exact resume, and one clear error line for each kind of bad input."""
 
 import hashlib
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fbt_megatron.metrics import read_metrics
 from fbt_megatron.recipe import RecipeError
+from forked import run_commands
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
 
 
+def train_many(runs, corpus=None) -> list:
+    """(exit code, output) of ``python -m fbt_megatron.train --recipe TINY *flags`` for each
+    (log file, flags) of ``runs``, one after another (each a process of its own: tests/forked.py)."""
+    data = ["--data-path", str(Path(corpus.train_prefix).parent), "--corpus", "null"] if corpus is not None else []
+    commands = [(["--recipe", TINY, "--threads", "1", *data, *map(str, flags)], log, None) for log, flags in runs]
+    return [(code, log.read_text()) for code, (log, _) in zip(run_commands("fbt_megatron.train", commands), runs)]
+
+
 def train(log: Path, *flags, corpus=None, expect_ok=True):
-    """Run the entry point; output goes to a file (helper processes may outlive a pipe)."""
-    cmd = [sys.executable, "-m", "fbt_megatron.train", "--recipe", TINY, "--threads", "1"]
-    if corpus is not None:
-        cmd += ["--data-path", str(Path(corpus.train_prefix).parent), "--corpus", "null"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    with open(log, "w") as out:
-        run = subprocess.run([*cmd, *flags], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, timeout=600)
-    text = log.read_text()
+    """One run of the entry point; its output goes to ``log``."""
+    [(code, text)] = train_many([(log, flags)], corpus)
     if expect_ok:
-        assert run.returncode == 0, text[-3000:]
-    return run.returncode, text
+        assert code == 0, text[-3000:]
+    return code, text
 
 
 SMALL = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
@@ -39,10 +39,11 @@ SMALL = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size",
 @pytest.mark.slow
 def test_resumed_run_logs_the_same_losses_bitwise(tmp_path, small_corpus):
     full, half = tmp_path / "full", tmp_path / "half"
-    train(tmp_path / "full.log", *SMALL, "--save", str(full), corpus=small_corpus)
-    train(tmp_path / "half1.log", *SMALL, "--save", str(half), "--exit-interval", "4", corpus=small_corpus)
-    assert [r["step"] for r in read_metrics(half)] == [1, 2, 3, 4]
-    train(tmp_path / "half2.log", *SMALL, "--save", str(half), "--load", str(half), corpus=small_corpus)
+    runs = train_many([(tmp_path / "full.log", [*SMALL, "--save", full]),
+                       (tmp_path / "half1.log", [*SMALL, "--save", half, "--exit-interval", "4"]),
+                       (tmp_path / "half2.log", [*SMALL, "--save", half, "--load", half])], corpus=small_corpus)
+    assert all(code == 0 for code, _ in runs), [text[-3000:] for _, text in runs]
+    assert "step      4 " in runs[1][1] and "step      5 " not in runs[1][1]  # stopped at 4; the resume did 5–8
 
     expected, got = read_metrics(full), read_metrics(half)
     assert [r["step"] for r in got] == list(range(1, 9))  # appended across the resume
@@ -91,8 +92,9 @@ def test_bad_inputs_stop_with_one_line_and_damage_nothing(tmp_path, small_corpus
         "prepared --data-path without --corpus null": (["--corpus", "stdlib"], "add --corpus null"),
         "unknown flag": (["--train-iter", "3"], "unknown flag --train-iter: did you mean --train-iters?"),
     }
-    for name, (flags, message) in cases.items():
-        code, text = train(tmp_path / "bad.log", *SMALL, *flags, corpus=small_corpus, expect_ok=False)
+    results = train_many([(tmp_path / f"bad{i}.log", [*SMALL, *flags]) for i, (flags, _) in enumerate(cases.values())],
+                         corpus=small_corpus)
+    for (name, (flags, message)), (code, text) in zip(cases.items(), results):
         errors = [line for line in text.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1 and message in errors[0], (name, text[-2000:])
         assert "Traceback" not in text, name
@@ -105,33 +107,44 @@ def test_extending_a_run_says_which_learning_rate_curve_applies(tmp_path, small_
     (equal to an uninterrupted 6-step run's) with --override-opt-param-scheduler; the checkpoint's
     decayed curve (lr 0) with --use-checkpoint-opt-param-scheduler. A changed --lr alone likewise."""
     short, events = tmp_path / "short", tmp_path / "events"
-    _, text = train(tmp_path / "short.log", *SMALL, "--train-iters", "4", "--save-interval", "2", "--save", str(short),
-                       "--tensorboard-dir", str(events), corpus=small_corpus)
+    (_, text), _ = train_many([
+        (tmp_path / "short.log", [*SMALL, "--train-iters", "4", "--save-interval", "2", "--save", short, "--tensorboard-dir", events]),
+        (tmp_path / "long.log", [*SMALL, "--train-iters", "6", "--save", tmp_path / "long"]),
+    ], corpus=small_corpus)
     assert "vocabulary 512" in text and "learning rate: warmup to 3.0e-03 over 2 steps, constant to step 3, linear decay" in text
-    train(tmp_path / "long.log", *SMALL, "--train-iters", "6", "--save", str(tmp_path / "long"), corpus=small_corpus)
     long = read_metrics(tmp_path / "long")
 
-    def extend(name, *flags, expect_ok=True):
-        folder = tmp_path / name
-        shutil.copytree(short, folder)
-        code, text = train(tmp_path / f"{name}.log", *SMALL, "--load", str(folder), "--save", str(folder), *flags,
-                           corpus=small_corpus, expect_ok=expect_ok)
-        return code, text, read_metrics(folder)
+    extensions = {  # each resumes a copy of the short run
+        "refused": ["--train-iters", "6"],
+        "override": ["--train-iters", "6", "--override-opt-param-scheduler"],
+        "checkpoint": ["--train-iters", "6", "--use-checkpoint-opt-param-scheduler"],
+        "new_lr": ["--ckpt-step", "2", "--train-iters", "4", "--lr", "1e-3"],
+    }
+    for name in extensions:
+        shutil.copytree(short, tmp_path / name)
+    results = dict(zip(extensions, train_many(
+        [(tmp_path / f"{name}.log", [*SMALL, "--load", tmp_path / name, "--save", tmp_path / name, *flags])
+         for name, flags in extensions.items()], corpus=small_corpus)))
 
-    code, text, _ = extend("refused", "--train-iters", "6", expect_ok=False)
+    def extend(name, expect_ok=True):
+        code, text = results[name]
+        assert code == 0 or not expect_ok, text[-3000:]
+        return code, text, read_metrics(tmp_path / name)
+
+    code, text, _ = extend("refused", expect_ok=False)
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in text, text[-2000:]
     assert "--train-iters 4 → 6" in errors[0] and "--override-opt-param-scheduler" in errors[0], errors[0]
     assert "--use-checkpoint-opt-param-scheduler" in errors[0]
 
-    _, text, records = extend("override", "--train-iters", "6", "--override-opt-param-scheduler")
+    _, text, records = extend("override")
     assert "this run's applies (--override-opt-param-scheduler)" in text
     assert [r["lr"] for r in records[4:]] == [r["lr"] for r in long[4:]] and long[4]["lr"] > 0
 
-    _, text, records = extend("checkpoint", "--train-iters", "6", "--use-checkpoint-opt-param-scheduler")
+    _, text, records = extend("checkpoint")
     assert "then 0.0e+00 to step 6" in text and [r["lr"] for r in records[4:]] == [0.0, 0.0]
 
-    code, text, _ = extend("new_lr", "--ckpt-step", "2", "--train-iters", "4", "--lr", "1e-3", expect_ok=False)
+    code, text, _ = extend("new_lr", expect_ok=False)
     assert code == 2 and "--lr 0.003 → 0.001" in text, text[-2000:]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
