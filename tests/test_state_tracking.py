@@ -4,9 +4,6 @@ position, and a short run through the entry points as users run them (real proce
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy
@@ -17,6 +14,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from fbt_megatron.fbt import Feedback
 from fbt_megatron.tasks.evaluate import FULL, bucket_accuracy, bucket_labels, pass_logits
 from fbt_megatron.tasks.state_tracking import GROUPS, load_task, prepare_task, task_name
+from forked import run_commands
 from helpers import build
 
 ROOT = Path(__file__).parent.parent
@@ -120,11 +118,11 @@ def test_bucket_accuracy_and_labels():
 
 
 # ---------------------------------------------------------------- the entry points
-def run(log: Path, *args) -> tuple:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    with open(log, "w") as out:
-        done = subprocess.run([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, timeout=300)
-    return done.returncode, log.read_text()
+def run_many(module: str, *runs) -> list:
+    """(exit code, output) of ``python -m module *args`` for each (log, args), in order (each a
+    process of its own: tests/forked.py)."""
+    codes = run_commands(module, [(list(map(str, args)), log, None) for log, args in runs])
+    return [(code, log.read_text()) for code, (log, _) in zip(codes, runs)]
 
 
 @pytest.mark.slow
@@ -132,15 +130,22 @@ def test_state_tracking_trains_and_evaluates_through_the_entry_points(tmp_path):
     recipe = str(ROOT / "recipes" / "state_tracking_fbt.yaml")
     data = ["--corpus", "state_tracking:parity", "--data-path", str(tmp_path / "parity")]
     flags = ["--recipe", recipe, *data, "--threads", "1"]
-    code, text = run(tmp_path / "train.log", "fbt_megatron.train", *flags, "--train-iters", "12", "--log-interval", "4",
-                     "--eval-interval", "12", "--eval-iters", "1", "--save", str(tmp_path / "run"))
+    baseline = str(ROOT / "recipes" / "state_tracking_baseline.yaml")
+    (code, text), (unknown_code, unknown_text) = run_many(
+        "fbt_megatron.train",
+        (tmp_path / "train.log", [*flags, "--train-iters", "12", "--log-interval", "4", "--eval-interval", "12",
+                                  "--eval-iters", "1", "--save", tmp_path / "run"]),
+        (tmp_path / "unknown.log", [*flags, "--corpus", "state_tracking:nope"]))
     assert code == 0, text[-3000:]
     assert "parity state tracking" in text and "valid " in text
     assert (tmp_path / "parity" / "train_tokens.bin").is_file()
 
     out = tmp_path / "eval.json"
-    code, text = run(tmp_path / "eval.log", "fbt_megatron.tasks.evaluate", *flags, "--load", str(tmp_path / "run"),
-                     "--sequences", "4", "--lengths", "1", "2", "--json", str(out))
+    (code, text), *refused = run_many(
+        "fbt_megatron.tasks.evaluate",
+        (tmp_path / "eval.log", [*flags, "--load", tmp_path / "run", "--sequences", "4", "--lengths", "1", "2", "--json", out]),
+        (tmp_path / "other.log", ["--recipe", baseline, *data, "--load", tmp_path / "run"]),
+        (tmp_path / "none.log", flags))
     assert code == 0, text[-3000:]
     result = json.loads(out.read_text())
     assert result["test_length"] == 64 and result["chance"] == 0.5
@@ -149,15 +154,12 @@ def test_state_tracking_trains_and_evaluates_through_the_entry_points(tmp_path):
     assert all(len(v) == 64 for v in result["by_position"].values())
     assert "| full recurrence |" in text
 
-    baseline = str(ROOT / "recipes" / "state_tracking_baseline.yaml")
     bad = {
-        "unknown task": (["fbt_megatron.train", *flags, "--corpus", "state_tracking:nope"], "unknown state-tracking task 'nope'"),
-        "another recipe's run": (["fbt_megatron.tasks.evaluate", "--recipe", baseline, *data, "--load", str(tmp_path / "run")],
-                                 "is of model"),
-        "no run": (["fbt_megatron.tasks.evaluate", *flags], "--load RUN"),
+        "unknown task": ((unknown_code, unknown_text), "unknown state-tracking task 'nope'"),
+        "another recipe's run": (refused[0], "is of model"),
+        "no run": (refused[1], "--load RUN"),
     }
-    for name, (args, message) in bad.items():
-        code, text = run(tmp_path / "bad.log", *args)
+    for name, ((code, text), message) in bad.items():
         errors = [line for line in text.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1 and message in errors[0], (name, text[-2000:])
 
