@@ -34,6 +34,7 @@ LAYOUTS = {  # name: (processes, flags); the distributed optimizer is on by defa
 # Recompute modes per layout (default: the worker's six). Every mode runs at TP 2 + SP, PP 2 and DP 2
 # (the parallel dimensions it interacts with); the combined layouts check the modes that cross them.
 MODES = {
+    "tp2_sp": ["none", "passes", "full", "selective", "offload"],
     "pp4": ["none", "passes", "offload"],
     "tp2_pp2": ["none", "passes", "full"],
     "tp2_dp2": ["none", "passes"],
