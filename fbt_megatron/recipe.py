@@ -55,6 +55,15 @@ class DataSection:
     """Tokens per training sequence."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this (times TP)."""
+    sft: bool = False
+    """Supervised fine-tuning on chat JSONL ({"messages": [{"role": ..., "content": ...}, ...]}):
+    train_data_path / valid_data_path are .jsonl files, tokenised with the tokenizer's chat
+    template and packed (fbt_megatron/data/sft.py); loss on assistant tokens only."""
+    sft_skip_bad_records: bool = False
+    """SFT: skip (and count) bad records instead of stopping at the first with its file and line."""
+    sft_prefix_mixin: Literal["prompt", "random"] = "prompt"
+    """SFT: the fused passes keep plain embeddings on the prompt (up to the end of the first user
+    turn: prompt-then-generate), or on a random prefix as in pretraining."""
 
 
 @dataclass
@@ -75,6 +84,14 @@ class TrainingSection:
     """Validation reports the loss after 0, 1, ..., n fused prefill passes (FBT models only)."""
     exit_interval: Optional[int] = None
     """Stop (after a checkpoint) once the iteration is a multiple of this; a later --load resumes."""
+    exit_duration_in_mins: Optional[float] = None
+    """Stop (after a checkpoint) at the first step boundary after this many minutes of this job."""
+    exit_signal_handler: bool = True
+    """On SIGTERM or SIGINT (Ctrl-C, Slurm's pre-timeout signal, scontrol requeue), every rank stops
+    at the next step boundary, saves a checkpoint and exits 0."""
+    max_bad_steps: int = 5
+    """A step whose loss or gradient norm is NaN/Inf is skipped and counted; after this many
+    consecutive ones the run stops, its last good checkpoint intact (0: stop at the first)."""
     threads: int = 0
     """torch intra-op threads per process (0: torch's default)."""
     z_loss_coeff: float = 0.0
@@ -186,6 +203,19 @@ class CheckpointSection:
     """On resume, apply this run's learning-rate schedule (--lr, --train-iters, warmup, decay) instead of the checkpoint's."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, keep the checkpoint's learning-rate schedule even where this run's flags differ."""
+    pretrained_checkpoint: Optional[str] = None
+    """Run folder whose weights start this run (a stage: long context, SFT) when --load holds no
+    checkpoint yet: weights only, from any parallel layout; iteration 0, fresh optimizer and schedule."""
+    finetune: bool = False
+    """Load only the weights of --load's checkpoint and start at iteration 0 (Megatron-LM's --finetune)."""
+    no_load_optim: bool = False
+    """On resume, do not load the optimizer state (fresh moments; the step count is kept)."""
+    no_load_rng: bool = False
+    """On resume, do not restore the RNG streams."""
+    keep_last_n_checkpoints: int = 0
+    """Keep only the newest this many checkpoints in --save (0: keep all)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues (megatron-core's async save)."""
     create_seed_checkpoint: bool = False
     """Save the freshly initialised model as iteration 0 in --save and exit (one process). Runs at
     any parallel layout that --load it start from the same weights (initialisation itself
