@@ -19,6 +19,7 @@ import equivalence
 from fbt_megatron.config import PRESETS
 from fbt_megatron.fbt import PassPhase, PassSchedule
 from fbt_megatron.metrics import read_metrics
+from forked import run_commands
 from helpers import launch
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
@@ -49,15 +50,26 @@ def corpus_flags(corpus) -> list:
 
 # ---------------------------------------------------------------- the equivalence matrix
 class Runs:
-    """Runs of tests/distributed/equivalence_worker.py in one folder, all from one seed checkpoint."""
+    """Runs of tests/distributed/equivalence_worker.py in one folder, all from one seed checkpoint.
+    The layouts of one world size run in one torchrun launch (start-up paid once), on first use."""
 
     def __init__(self, root: Path, corpus):
-        self.root, self.corpus = root, corpus
+        self.root, self.corpus, self.launched = root, corpus, set()
 
-    def run(self, name: str, nproc: int, *flags) -> Path:
-        args = ["--corpus", Path(self.corpus.train_prefix).parent, "--seed-checkpoint", self.root / "seed", "--out", self.root / name]
-        code, text = launch(self.root / f"{name}.log", DISTRIBUTED / "equivalence_worker.py", *args, *flags, nproc=nproc)
+    def run(self, name: str, nproc: int, layouts: dict, *extra) -> Path:
+        """Launch ``layouts`` ({name: (flags, modes or None)}) with ``nproc`` processes; ``name`` the log's."""
+        spec = [{"out": str(self.root / n), "flags": flags, "modes": modes} for n, (flags, modes) in layouts.items()]
+        args = ["--corpus", Path(self.corpus.train_prefix).parent, "--seed-checkpoint", self.root / "seed", "--layouts", json.dumps(spec)]
+        code, text = launch(self.root / f"{name}.log", DISTRIBUTED / "equivalence_worker.py", *args, *extra, nproc=nproc)
         assert code == 0, text[-4000:]
+        return self.root / name
+
+    def layout(self, name: str) -> Path:
+        """The results of a layout of LAYOUTS, launched with every layout of its world size."""
+        nproc = LAYOUTS[name][0]
+        if nproc not in self.launched:
+            self.run(f"world{nproc}", nproc, {n: (f, MODES.get(n)) for n, (p, f) in LAYOUTS.items() if p == nproc})
+            self.launched.add(nproc)
         return self.root / name
 
 
@@ -65,7 +77,7 @@ class Runs:
 def runs(small_corpus, tmp_path_factory):
     """The single-process reference run; it also writes the seed checkpoint."""
     runs = Runs(tmp_path_factory.mktemp("equivalence"), small_corpus)
-    runs.run("single", 1, "--create-seed")
+    runs.run("single", 1, {"single": ([], None)}, "--create-seed")
     check_offloaded_bytes(runs.root / "single", 1, [])
     return runs
 
@@ -73,7 +85,7 @@ def runs(small_corpus, tmp_path_factory):
 @pytest.mark.slow
 def test_reference_is_deterministic_and_not_vacuous(runs):
     """Same seed and config → the same numbers; the steps move the weights; passes differ."""
-    again = runs.run("single_again", 1, "--modes", "none", "--passes", "3")
+    again = runs.run("single_again", 1, {"single_again": ([], ["none"])}, "--passes", "3")
     assert all(v == 0 for worst in equivalence.compare(runs.root / "single", again).values() for v in worst.values())
     model_args = json.loads((runs.root / "single" / "model.json").read_text())
     before = equivalence.tensors(runs.root / "seed" / "iter_0000000", model_args)
@@ -87,7 +99,7 @@ def test_reference_is_deterministic_and_not_vacuous(runs):
 def test_layout_equals_single_process(layout, runs):
     nproc, flags = LAYOUTS[layout]
     modes = MODES.get(layout)
-    result = equivalence.compare(runs.root / "single", runs.run(layout, nproc, *flags, *(["--modes", ",".join(modes)] if modes else [])))
+    result = equivalence.compare(runs.root / "single", runs.layout(layout))
     for trial, worst in sorted(result.items()):
         print(f"{layout:20s} {trial:9s} " + "  ".join(f"{kind} {value:.1e}" for kind, value in worst.items()))
     assert len(result) == 3 * (len(modes) if modes else 6)  # recompute modes × k = 1, 2, 3
@@ -131,11 +143,14 @@ def check_offloaded_bytes(folder: Path, nproc: int, flags: list):
 
 # ---------------------------------------------------------------- the shift across shards
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,flags", [(2, ["--tp", "2"]), (2, ["--cp", "2"]), (4, ["--cp", "4"]), (4, ["--tp", "2", "--cp", "2"])])
-def test_sharded_shift_equals_whole_sequence_shift(nproc, flags, tmp_path):
-    code, text = launch(tmp_path / "shift.log", DISTRIBUTED / "sequence_worker.py", *flags, nproc=nproc)
+@pytest.mark.parametrize("nproc,layouts", [(2, ["2,1", "1,2"]), (4, ["1,4", "2,2"])])  # (TP, CP) layouts per launch
+def test_sharded_shift_equals_whole_sequence_shift(nproc, layouts, tmp_path):
+    code, text = launch(tmp_path / "shift.log", DISTRIBUTED / "sequence_worker.py", *(f"--layout={x}" for x in layouts), nproc=nproc)
     assert code == 0, text[-3000:]
-    assert text.count("value error 0.0 grad error 0.0") == nproc
+    for layout in layouts:
+        tp, cp = layout.split(",")
+        assert text.count(f"tp {tp} cp {cp}: rows") == nproc
+    assert text.count("value error 0.0 grad error 0.0") == nproc * len(layouts)
 
 
 # ---------------------------------------------------------------- the entry point at every layout
@@ -156,15 +171,28 @@ ENTRY_LAYOUTS = {
 
 
 class EntryRuns:
-    """``python -m fbt_megatron.train`` under torchrun, every run starting from one seed checkpoint."""
+    """``python -m fbt_megatron.train`` under torchrun, every run starting from one seed checkpoint.
+    One-process runs are forked from one interpreter (tests/forked.py): the seed checkpoint and the
+    uninterrupted one-process run together."""
 
     def __init__(self, root: Path, corpus):
         self.root, self.flags, self.done = root, [*ENTRY, *corpus_flags(corpus)], {}
-        self.launch("seed", 1, "--save", root / "seed", "--create-seed-checkpoint", "true")
+        single = ["--load", root / "seed", "--save", root / "single"]
+        self.alone([("seed", ["--save", root / "seed", "--create-seed-checkpoint", "true"]), ("single", single)])
+        self.done["single"] = read_metrics(root / "single")
+
+    def alone(self, runs: list) -> None:
+        """(name, flags) runs, one process each, one after another."""
+        commands = [([*self.flags, *flags], self.root / f"{name}.log", None) for name, flags in runs]
+        for code, (name, _) in zip(run_commands("fbt_megatron.train", commands), runs):
+            assert code == 0, (self.root / f"{name}.log").read_text()[-4000:]
 
     def launch(self, name: str, nproc: int, *flags) -> Path:
-        code, text = launch(self.root / f"{name}.log", "-m", "fbt_megatron.train", *self.flags, *flags, nproc=nproc)
-        assert code == 0, text[-4000:]
+        if nproc == 1:
+            self.alone([(name, flags)])
+        else:
+            code, text = launch(self.root / f"{name}.log", "-m", "fbt_megatron.train", *self.flags, *flags, nproc=nproc)
+            assert code == 0, text[-4000:]
         return self.root / name
 
     def layout(self, name: str) -> list:

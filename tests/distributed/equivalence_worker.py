@@ -1,8 +1,9 @@
-"""Worker of the parallel-equivalence tests, launched by torchrun at one parallel layout.
+"""Worker of the parallel-equivalence tests, launched by torchrun: the parallel layouts of its world
+size in turn (``--layouts``: one launch pays the interpreter and process-group start-up once).
 
-It builds the training run of ``recipes/tiny_cpu.yaml`` (shrunk; flags after ``--`` are the entry
-point's own overrides, e.g. ``--tensor-model-parallel-size 2``) through the training module's
-own functions, loads the weights of a seed checkpoint, and for every recompute mode and every
+For each layout it builds the training run of ``recipes/tiny_cpu.yaml`` (shrunk; the layout's flags
+are the entry point's own overrides, e.g. ``--tensor-model-parallel-size 2``) through the training
+module's own functions, loads the weights of a seed checkpoint, and for every recompute mode and every
 k ∈ {1, 2, 3} runs two optimizer steps of k passes on the same global batches. It writes:
   <out>/losses.json                    per (mode, k): the per-pass losses of both steps
   <out>/deltas.json                    per (mode, k): ‖Δs‖ = RMS of s^{(j)} − s^{(j−1)}, j = 2..k, of both steps
@@ -83,12 +84,29 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--seed-checkpoint", required=True)
-    parser.add_argument("--out", required=True)
     parser.add_argument("--create-seed", action="store_true")
-    parser.add_argument("--modes", default=",".join(RECOMPUTE))
     parser.add_argument("--passes", default="1,2,3")
-    args, overrides = parser.parse_known_args()
+    parser.add_argument("--layouts", required=True, help="JSON list of {out, flags, modes (null: all)}, run in turn")
+    args = parser.parse_args()
 
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    from fbt_megatron.parallel import sequence
+
+    torch.set_num_threads(1)
+    for layout in json.loads(args.layouts):  # one launch, several layouts: the parallel state is rebuilt for each
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+            sequence._layout.cache_clear()  # layouts are cached per process: they name the old groups
+        run_layout(args, Path(layout["out"]), layout["flags"], layout["modes"] or list(RECOMPUTE))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_layout(args, out: Path, overrides: list, modes: list):
+    """Every (recompute mode, k) trial at the layout of ``overrides``; results under ``out``."""
     import torch.distributed as dist
 
     from megatron.core import parallel_state
@@ -98,11 +116,9 @@ def main():
 
     recipe = train.parse_args(["--recipe", "recipes/tiny_cpu.yaml", "--data-path", args.corpus, *SHRINK, *overrides])
     t, p = recipe.training, recipe.parallel
-    torch.set_num_threads(1)
     platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed)
     data = train.build_data(recipe, dist.get_rank())
     vocab = data.tokenizer.padded_vocab_size(p.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
-    out = Path(args.out)
     if args.create_seed:
         _, model, _ = train.build_model(recipe, vocab)
         checkpointing.save(args.seed_checkpoint, 0, model, None, None, {"iteration": 0})
@@ -112,7 +128,7 @@ def main():
     reporter = dist.get_rank() == dist.get_world_size() - 1  # last stage, last TP and DP rank
     losses, deltas, overlap, offloaded, layer_calls = {}, {}, {}, {}, {}
     base = dict(recipe.model_overrides)
-    for mode in args.modes.split(","):
+    for mode in modes:
         for k in map(int, args.passes.split(",")):
             recipe.model_overrides = {**base, **RECOMPUTE[mode]}
             config, model, ddp = train.build_model(recipe, vocab)
@@ -148,8 +164,6 @@ def main():
         (out / "deltas.json").write_text(json.dumps(deltas))
         (out / "overlap.json").write_text(json.dumps(overlap))
         (out / "offload.json").write_text(json.dumps(ranks))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

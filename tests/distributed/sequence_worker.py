@@ -2,7 +2,8 @@
 state; the distributed shift must equal the whole-sequence right shift at those rows, and its
 backward must give every row the gradient the whole-sequence computation gives it. Under CP the
 ranks' loss shares (their token losses over the loss tokens of whole sequences) must add up to
-the whole sequences' masked mean."""
+the whole sequences' masked mean. Each ``--layout TP,CP`` of the world size is checked in turn
+(one launch: start-up paid once)."""
 
 import argparse
 import sys
@@ -13,11 +14,30 @@ import torch
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--layout", action="append", required=True, help="TP,CP (repeatable)")
     parser.add_argument("--seq", type=int, default=32)
     args = parser.parse_args()
 
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    from fbt_megatron.parallel import sequence
+
+    ok = True
+    for layout in args.layout:
+        tp, cp = map(int, layout.split(","))
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        sequence._layout.cache_clear()  # layouts are cached per process: they name the old groups
+        ok = check(SimpleNamespace(tp=tp, cp=cp, seq=args.seq)) and ok
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+def check(args) -> bool:
+    """This rank's checks at one (TP, CP) layout."""
     import torch.distributed as dist
 
     from megatron.core import parallel_state
@@ -57,10 +77,8 @@ def main():
         loss_error = (share - masked_mean(token_loss, loss_mask)).abs().item()
         print(f"rank {dist.get_rank()}: CP loss shares add up to the mean within {loss_error:.1e}", flush=True)
         ok = ok and loss_error < 1e-6
-    print(f"rank {dist.get_rank()}: rows {layout.positions.tolist()} value error {value_error} grad error {grad_error}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    print(f"rank {dist.get_rank()} tp {args.tp} cp {args.cp}: rows {layout.positions.tolist()} value error {value_error} grad error {grad_error}", flush=True)
+    return ok
 
 
 if __name__ == "__main__":
