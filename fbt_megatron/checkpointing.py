@@ -23,6 +23,10 @@ the newest older complete checkpoint of the run folder (``--ckpt-step N``). A ch
 without a manifest (written before there was one) gets structural checks: the files and sizes
 the torch_dist metadata lists, and readable common files.
 
+With ``--async-save`` the files are written by a background process while training goes on
+(megatron-core's async save, ``BackgroundSaves``); the manifest, the rename and the tracker follow
+at a later step boundary, once every rank's files are written, so the atomicity is the same.
+
 Loading never unpickles arbitrary objects: the torch_dist metadata file is checked by a
 restricted unpickler first, and every other item is read by ``torch.load(weights_only=True)``.
 """
@@ -30,6 +34,7 @@ restricted unpickler first, and every other item is read by ``torch.load(weights
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -131,19 +136,18 @@ def _rng_layout() -> list:
     return [parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()]
 
 
-def _state(model, optimizer, scheduler, extra: dict, loading: bool) -> dict:
-    """Everything a checkpoint holds; without an optimizer, the weights (a seed checkpoint)."""
+def _state(model, optimizer, scheduler, extra: dict, loading: bool, optimizer_state: bool = True, rng: bool = True) -> dict:
+    """Everything a checkpoint holds; without an optimizer, the weights (a seed checkpoint). For
+    loading, ``optimizer_state=False`` / ``rng=False`` leave out the optimizer's state / the RNG streams."""
     model_state = model.sharded_state_dict()
     if optimizer is None:
         return {"model": model_state, "train_state": extra}
-    return {
-        "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=OPTIMIZER_METADATA),
-        "scheduler": scheduler.state_dict(),
-        "rng_state": _sharded_rng(_rng_state()),
-        "rng_layout": _rng_layout(),
-        "train_state": extra,
-    }
+    state = {"model": model_state, "scheduler": scheduler.state_dict(), "train_state": extra}
+    if optimizer_state:
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=OPTIMIZER_METADATA)
+    if rng:
+        state.update(rng_state=_sharded_rng(_rng_state()), rng_layout=_rng_layout())
+    return state
 
 
 # ---------------------------------------------------------------- the manifest
@@ -200,25 +204,64 @@ def _read_manifest(path: Path):
 
 
 # ---------------------------------------------------------------- save
-def save(folder, iteration: int, model, optimizer, scheduler, extra: dict) -> Path:
+class BackgroundSaves:
+    """Checkpoints being written by background processes (megatron-core's async ``dist_checkpointing``
+    save: a forked process per checkpoint writes the files, from a copy-on-write snapshot of the
+    state at the save). Collective: every rank calls ``poll`` at every step boundary (finishes the
+    checkpoints whose files are written: the manifest, the rename into place, the tracker,
+    retention) and ``wait`` before exiting (finishes them all)."""
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+
+    def poll(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True)
+
+
+def save(folder, iteration: int, model, optimizer, scheduler, extra: dict, keep_last: int = 0,
+         background: Optional[BackgroundSaves] = None) -> Path:
     """Write checkpoint ``iteration`` of ``model`` (the unwrapped module) and the training state
     ``extra`` (plain data) atomically, with its manifest; returns its folder. ``optimizer=None``
     writes the weights only (a seed checkpoint). A checkpoint of the same iteration already there
-    (a run resumed from an older one with ``--ckpt-step``) is replaced once the new one is complete."""
+    (a run resumed from an older one with ``--ckpt-step``) is replaced once the new one is complete.
+    ``keep_last`` N > 0: then delete the checkpoints older than the newest N (``retain``).
+    ``background``: the files are written in the background and the checkpoint is finished (made
+    complete under its name) by a later ``background.poll()`` or ``wait()``; one at a time (a save
+    first waits for the previous one)."""
     folder = Path(folder)
     final = checkpoint_dir(folder, iteration)
     tmp = final.with_name(final.name + ".tmp")
-    rank0 = dist.get_rank() == 0
-    if rank0:
+    if background is not None:
+        background.wait()
+    if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = _state(model, optimizer, scheduler, extra, loading=False)
-    dist_checkpointing.save({**state, _MANIFEST_KEY: MANIFEST}, str(tmp))
+    state = {**_state(model, optimizer, scheduler, extra, loading=False), _MANIFEST_KEY: MANIFEST}
+    finish = functools.partial(_finish, folder, iteration, tmp, keep_last)
+    if background is None:
+        dist_checkpointing.save(state, str(tmp))
+        finish()
+    else:
+        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+        request.add_finalize_fn(finish)  # after megatron-core's own (the torch_dist metadata)
+        background.queue.schedule_async_request(request)
+    return final
+
+
+def _finish(folder: Path, iteration: int, tmp: Path, keep_last: int) -> None:
+    """Collective, once every rank's files are in ``tmp``: the manifest, then (rank 0) the rename
+    into place, the tracker and retention."""
+    final = checkpoint_dir(folder, iteration)
     dist.barrier()
     _write_manifest(tmp)
     dist.barrier()
-    if rank0:
+    if dist.get_rank() == 0:
         if final.exists():  # the same iteration saved again: keep the old one until replaced
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
@@ -230,8 +273,23 @@ def save(folder, iteration: int, model, optimizer, scheduler, extra: dict) -> Pa
         tracker_tmp = folder / (TRACKER + ".tmp")
         tracker_tmp.write_text(f"{iteration}\n")
         os.replace(tracker_tmp, folder / TRACKER)
+        if keep_last:
+            retain(folder, iteration, keep_last)
     dist.barrier()
-    return final
+
+
+def retain(folder, newest: int, keep: int) -> list:
+    """Delete the checkpoints of a run folder older than the newest ``keep`` up to ``newest`` (the
+    one just saved, complete and tracked); later ones (a continuation abandoned with --ckpt-step)
+    stay. Each is renamed out of the checkpoint names first, so a crash mid-delete leaves no
+    half-deleted checkpoint. Returns the iterations deleted."""
+    older = [i for i in iterations(folder) if i <= newest][:-keep]
+    for i in older:
+        doomed = checkpoint_dir(folder, i).with_name(checkpoint_dir(folder, i).name + ".old")
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(checkpoint_dir(folder, i), doomed)
+        shutil.rmtree(doomed)
+    return older
 
 
 # ---------------------------------------------------------------- checks before loading
@@ -430,30 +488,36 @@ def read_train_state(folder, iteration: Optional[int] = None) -> dict:
     return _common(_verified(folder, iteration, collective=False))["train_state"]
 
 
-def load(folder, model, optimizer, scheduler, iteration: Optional[int] = None) -> None:
+def load(folder, model, optimizer, scheduler, iteration: Optional[int] = None, weights_only: bool = False,
+         load_optimizer: bool = True, load_rng: bool = True) -> None:
     """Load a checkpoint of a run folder (the latest, or ``iteration``'s) into model, optimizer and
-    scheduler and restore this rank's RNG streams; from a seed checkpoint, the weights only.
-    Collective: every rank checks its share of the files' hashes first."""
+    scheduler and restore this rank's RNG streams. ``weights_only`` (a stage starting from another
+    run's weights; always for a seed checkpoint): the model alone. ``load_optimizer=False`` keeps
+    the optimizer fresh (the scheduler's step is loaded), ``load_rng=False`` the RNG streams as they
+    are. An optimizer whose state is not loaded copies its main (fp32) weights from the loaded
+    model. Collective: every rank checks its share of the files' hashes first."""
     path = _verified(folder, iteration, collective=True)
     common = _common(path)
-    if "scheduler" not in common:  # a seed checkpoint: weights only
+    fresh_optimizer = optimizer
+    if weights_only or "scheduler" not in common:  # a seed checkpoint holds the weights only
         optimizer = scheduler = None
-    state = _state(model, optimizer, scheduler, {}, loading=True)
+    # RNG streams are per (PP, TP) rank: resharded runs start them afresh
+    rng = load_rng and common.get("rng_layout") == _rng_layout()
+    state = _state(model, optimizer, scheduler, {}, loading=True, optimizer_state=load_optimizer, rng=rng)
     del state["train_state"]  # read from the common state, whatever its keys
-    same_layout = common.get("rng_layout") == _rng_layout()
-    if optimizer is not None and not same_layout:  # RNG streams are per (PP, TP) rank: resharded runs start them afresh
-        del state["rng_state"], state["rng_layout"]
     try:
         with torch.no_grad(), _weights_only_loading():  # no grad: the optimizer copies into views of parameters
             loaded = dist_checkpointing.load(state, str(path))
     except (Exception, CheckpointException) as e:  # shapes or keys that do not fit this model
         verified = "" if (path / MANIFEST).is_file() else " (or it is damaged: it has no manifest to check)"
         raise CheckpointError(f"{path} does not fit this model/optimizer{verified}: {_reason(e)}") from None
-    model.load_state_dict(loaded["model"])
-    if optimizer is None:
-        return
-    with torch.no_grad():
-        optimizer.load_state_dict(loaded["optimizer"])
-    scheduler.load_state_dict(loaded["scheduler"])
-    if same_layout:
+    model.load_state_dict(loaded["model"])  # (``loaded`` also holds the common state of whatever was not asked for)
+    if optimizer is not None and load_optimizer:
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+    elif fresh_optimizer is not None:
+        fresh_optimizer.reload_model_params()
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if optimizer is not None and rng:
         _set_rng_state(loaded["rng_state"].flatten())

@@ -129,15 +129,37 @@ PRESETS = {
 }
 
 
-def make_config(preset: str, **overrides) -> FBTConfig:
-    """An FBTConfig for a preset; ``overrides`` are any FBTConfig/TransformerConfig fields."""
+# The fields that set the model's parameters: their shapes (sizes, heads, layers) or whether they
+# exist (biases, norms, the headwise gate, the feedback fusion). Weights carry over from one run to
+# another (a stage: ``fbt_megatron.stages``) only when these, and the padded vocabulary, are equal;
+# every other field (RoPE base, windows, jitter, prefix mixin, recompute, ...) may change.
+ARCHITECTURE = frozenset({
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "normalization", "qk_layernorm", "sandwich_norm",
+    "headwise_attention_gate", "latent_feedback",
+})
+
+
+def preset_fields(preset: str, **overrides) -> dict:
+    """The fields ``make_config`` sets for a preset and overrides (FBTConfig's defaults give the rest)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return {**_COMMON, **PRESETS[preset], **overrides}
+
+
+def field_default(name: str):
+    """FBTConfig's default of field ``name``."""
+    found = next(f for f in dataclasses.fields(FBTConfig) if f.name == name)
+    return found.default_factory() if found.default is dataclasses.MISSING else found.default
+
+
+def make_config(preset: str, **overrides) -> FBTConfig:
+    """An FBTConfig for a preset; ``overrides`` are any FBTConfig/TransformerConfig fields."""
+    fields = preset_fields(preset, **overrides)
     names = {f.name for f in dataclasses.fields(FBTConfig)}
     unknown = sorted(set(overrides) - names)
     if unknown:
         raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
-    fields = {**_COMMON, **PRESETS[preset], **overrides}
     fields.setdefault("params_dtype", torch.float32)
     fields.setdefault("pipeline_dtype", fields["params_dtype"])  # what stages send each other
     # CPU: initialise full weights then split them, so every TP layout starts identical (PP changes

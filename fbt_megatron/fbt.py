@@ -8,11 +8,15 @@ for positions t ≥ 2 beyond the sequence's prefix-mixin length p, and u_t = e_t
 ε ~ N(0, σ²) is the jitter on the carried state (training only). Every pass runs the whole
 stack on all positions in parallel and gets its own next-token loss; gradients flow through
 all passes. Positions are 1-based in comments and 0-based in code.
+
+Packed rows (SFT, ``PackedRows``): several conversations share a row; each attends only to itself,
+and its first position takes e_t like position 1 of a sequence, so no state crosses a boundary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -67,6 +71,48 @@ class LatentFeedbackFusion(MegatronModule):
         return embeddings + 0.0 * sum(p.sum() for p in self.parameters())
 
 
+# ---------------------------------------------------------------- packed rows (SFT)
+@dataclass
+class PackedRows:
+    """Conversations packed into the rows of a microbatch (``fbt_megatron.data.sft``).
+
+    Attention stays inside a conversation (``attention_mask``) and the carried state does not
+    cross into the next one: a conversation's first position is never fused. In the fused passes
+    the prompt positions keep e_t (the prompt-aware prefix mixin) when ``prompt_prefix`` is set,
+    and always in evaluation (prompt-then-generate); otherwise training draws the pretraining
+    random prefix per row."""
+
+    segments: torch.Tensor  # [b, s] which conversation each position belongs to (padding: one of its own)
+    plain: torch.Tensor  # [b, s] bool: prompt positions (every token that is not the assistant's)
+    prompt_prefix: bool = True  # training: the prompt is the prefix (else a random prefix per row)
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        """[b, s] bool: the first position of each conversation (and of the padding)."""
+        first = torch.ones_like(self.segments[:, :1], dtype=torch.bool)
+        return torch.cat([first, self.segments[:, 1:] != self.segments[:, :-1]], dim=1)
+
+    @cached_property
+    def attention_mask(self) -> torch.Tensor:
+        """[b, 1, s, s] bool, True = masked (megatron's convention): a later position or another
+        conversation. A sliding-window layer adds its window (``layers.FBTDotProductAttention``)."""
+        s = self.segments.shape[1]
+        later = torch.ones(s, s, dtype=torch.bool, device=self.segments.device).triu(1)
+        other = self.segments.unsqueeze(2) != self.segments.unsqueeze(1)
+        return (other | later).unsqueeze(1)
+
+    def uses_prompt(self, training: bool) -> bool:
+        return self.prompt_prefix or not training
+
+    def fusable(self, training: bool) -> torch.Tensor:
+        """[s, b] bool: where a fused pass may use u_t — not at a conversation's first position,
+        nor on its prompt when the prompt is the prefix."""
+        allowed = ~self.starts
+        if self.uses_prompt(training):
+            allowed = allowed & ~self.plain
+        return allowed.transpose(0, 1)
+
+
 # ---------------------------------------------------------------- per-sequence random draws
 # Prefix lengths and jitter are drawn from generators seeded by (sequence seed, pass, stream), so
 # they depend on which sequence is drawn for, never on how the batch is split across ranks or
@@ -110,18 +156,23 @@ def jitter(config, sequence_seeds: List[int], pass_index: int, shape, device, dt
 
 def make_feedback(
     config, state: torch.Tensor, sequence_seeds: List[int], pass_index: int, training: bool,
-    layout: SequenceLayout = WHOLE_SEQUENCE,
+    layout: SequenceLayout = WHOLE_SEQUENCE, packed: Optional[PackedRows] = None,
 ) -> Feedback:
     """Feedback for pass `pass_index` (≥ 2) from the previous pass's top states. The draws are
-    made over whole sequences, then cut to the rows this rank holds (``layout``)."""
+    made over whole sequences, then cut to the rows this rank holds (``layout``). In packed rows
+    the fusion also stops at conversation starts (and prompts: ``PackedRows.fusable``)."""
     seq_len = layout.seq_length or state.shape[0]
     batch = len(sequence_seeds)
-    prefix = prefix_lengths(config, sequence_seeds, pass_index, seq_len) if training else torch.zeros(batch, dtype=torch.long)
+    random_prefix = training and (packed is None or not packed.uses_prompt(training))
+    prefix = prefix_lengths(config, sequence_seeds, pass_index, seq_len) if random_prefix else torch.zeros(batch, dtype=torch.long)
     eps = None
     if training and config.feedback_jitter > 0:
         shape = (seq_len, batch, state.shape[-1])
         eps = layout.local(jitter(config, sequence_seeds, pass_index, shape, state.device, state.dtype))
-    return Feedback(state, layout.local(fuse_mask(prefix, seq_len, state.device)), eps, layout)
+    mask = fuse_mask(prefix, seq_len, state.device)
+    if packed is not None:
+        mask = mask & packed.fusable(training).to(state.device)
+    return Feedback(state, layout.local(mask), eps, layout)
 
 
 # ---------------------------------------------------------------- the multi-pass step
@@ -149,16 +200,19 @@ def masked_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor, num_tokens: O
     return (token_loss * loss_mask).sum() / count.clamp(min=1)
 
 
-def default_feedback(model, tokens: torch.Tensor, sequence_seeds: List[int]) -> Callable[[torch.Tensor, int], Feedback]:
+def default_feedback(
+    model, tokens: torch.Tensor, sequence_seeds: List[int], packed: Optional[PackedRows] = None,
+) -> Callable[[torch.Tensor, int], Feedback]:
     """The production draws for a microbatch: prefix mixin and jitter from the sequence seeds,
-    cut to this rank's rows of the sequence (SP/CP)."""
+    cut to this rank's rows of the sequence (SP/CP); in packed rows, within each conversation."""
     config = model.config
     layout = sequence_layout(config, tokens.shape[1] * config.context_parallel_size)
-    return lambda state, j: make_feedback(config, state, sequence_seeds, j, model.training, layout)
+    return lambda state, j: make_feedback(config, state, sequence_seeds, j, model.training, layout, packed)
 
 
 def run_pass(
     model, tokens, labels, pass_index: int, received: Optional[torch.Tensor], feedback_fn, backward_next: bool = False,
+    packed: Optional[PackedRows] = None,
 ):
     """Pass j of one microbatch on this pipeline stage → ``FBTModel.forward``'s (output, top state).
 
@@ -168,14 +222,16 @@ def run_pass(
     (in host memory with ``offload_recompute_inputs``) and the pass is recomputed in backward —
     unless ``backward_next``: the caller runs this pass's backward right after its forward (the
     last pass on the last stage), so its activations are freed as soon as a recompute's would be,
-    and checkpointing would only add a forward."""
+    and checkpointing would only add a forward. ``packed``: the rows hold packed conversations,
+    each attending only to itself (on every stage)."""
     embeddings = model.embed(tokens) if model.pre_process else None  # e_t
+    attention_mask = None if packed is None else packed.attention_mask
 
     def forward(embeddings, labels, received):
         if not model.pre_process:
-            return model(tokens, labels=labels, hidden_states=received)
+            return model(tokens, labels=labels, hidden_states=received, attention_mask=attention_mask)
         feedback = None if received is None else feedback_fn(received, pass_index)
-        return model(tokens, labels=labels, feedback=feedback, embeddings=embeddings)
+        return model(tokens, labels=labels, feedback=feedback, embeddings=embeddings, attention_mask=attention_mask)
 
     if model.config.recompute_passes and not backward_next:
         # e_t and s^{(j−1)} wait for backward in host memory; a pipeline schedule keeps what it received
@@ -201,6 +257,7 @@ def multi_pass_loss(
     sequence_seeds: List[int],
     feedback_fn: Optional[Callable[[torch.Tensor, int], Feedback]] = None,
     num_tokens: Optional[torch.Tensor] = None,
+    packed: Optional[PackedRows] = None,
 ) -> MultiPassOutput:
     """k passes of teacher-forced training on one microbatch ([b, s] tokens/labels/mask), the
     whole model on this rank (no pipeline; ``parallel.pipeline`` runs passes across stages).
@@ -208,14 +265,14 @@ def multi_pass_loss(
 
     `sequence_seeds` (one int per sequence) seed its prefix-mixin and jitter draws;
     `feedback_fn(state, j)` may replace those draws (tests pass fixed prefixes/noise);
-    `num_tokens`: see ``masked_mean``."""
+    `num_tokens`: see ``masked_mean``; `packed`: the rows' packed conversations (``PackedRows``)."""
     if num_passes < 1:
         raise ValueError(f"num_passes must be >= 1, got {num_passes}")
-    feedback_fn = feedback_fn or default_feedback(model, tokens, sequence_seeds)
+    feedback_fn = feedback_fn or default_feedback(model, tokens, sequence_seeds, packed)
     weights = pass_weights(model.config, num_passes)
     total, losses, deltas, prev = 0.0, [], [], None
     for j in range(1, num_passes + 1):
-        token_loss, top = run_pass(model, tokens, labels, j, prev, feedback_fn, backward_next=j == num_passes)
+        token_loss, top = run_pass(model, tokens, labels, j, prev, feedback_fn, backward_next=j == num_passes, packed=packed)
         loss_j = masked_mean(token_loss, loss_mask, num_tokens)
         total = total + weights[j - 1] * loss_j
         losses.append(loss_j.detach())

@@ -6,6 +6,8 @@
 * ``FBTSelfAttention`` — megatron-core SelfAttention whose per-head outputs are scaled by
   sigmoid(w_hᵀ x) (one scalar per head and token) before the output projection (the headwise
   gate, optional), with a KV cache for generation that keeps only each layer's window.
+* ``FBTDotProductAttention`` — megatron-core's local attention whose sliding window also holds when
+  an attention mask is given (packed SFT rows).
 * ``FBTTransformerLayer`` — megatron-core TransformerLayer with sandwich norms and depth-scaled
   residual branches: h ← h + α·RMSNorm_post(Sublayer(RMSNorm_pre(h))).
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -27,7 +30,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import get_sliding_window_causal_mask, is_layer_window_attention
 
 
 class RMSNorm(torch.nn.Module):
@@ -42,6 +45,27 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class FBTDotProductAttention(DotProductAttention):
+    """megatron-core's local (unfused) attention with the layer's sliding window applied on top of
+    a given ``attention_mask`` (True = masked). megatron's local softmax replaces any given mask by
+    the window mask, so packed rows would attend across conversations in window layers; here this
+    module builds that same window mask and ORs in the given one (causal ∧ same conversation):
+    window ∧ causal ∧ same conversation. Without a mask it computes exactly what megatron does.
+    (It relies on ``masked_softmax_fusion`` being off, as in ``config.py``: megatron's fused causal
+    kernel would ignore a given mask.)"""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (W − 1, 0) in window layers, None elsewhere; the softmax no longer builds its own mask
+        self.window_size, self.scale_mask_softmax.window_size = self.scale_mask_softmax.window_size, None
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if self.window_size is not None:
+            window = get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size).to(query.device)
+            attention_mask = window if attention_mask is None else attention_mask | window
+        return super().forward(query, key, value, attention_mask, *args, **kwargs)
 
 
 @dataclass

@@ -14,6 +14,7 @@ def apply() -> None:
     if not _applied:
         _torch_adam_steps()
         _fully_reshardable_bucket_padding()
+        _write_results_queue()
         _applied = True
 
 
@@ -94,3 +95,31 @@ def _fully_reshardable_bucket_padding() -> None:
                 buffer.param_index_map = index_map
 
     cls.sharded_param_state_fully_reshardable = with_unpadded_offsets
+
+
+def _write_results_queue() -> None:
+    """At its first checkpoint save megatron-core starts a multiprocessing manager, only to pass
+    its (forked) writer processes' results back, with the "spawn" start method:
+      * the signals of a job reach it: Slurm signals every process of a job step and Ctrl-C the
+        terminal's process group, so the manager dies and the checkpoint the run saves on that
+        signal fails (BrokenPipeError);
+      * spawning re-imports the entry point (torch, megatron-core): about 8 s per process, paid by
+        every run that saves.
+    The replacement forks the manager, as megatron-core forks its writers, with SIGTERM and SIGINT
+    ignored in it (the dispositions a forked process inherits)."""
+    import multiprocessing
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    def forked_results_queue():
+        if fa._results_queue is None:
+            previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                fa._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+        return fa._results_queue
+
+    fa._get_write_results_queue = forked_results_queue

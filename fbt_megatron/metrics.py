@@ -37,6 +37,7 @@ TAGS = {
     "mfu": "mfu",
     "phase": "fbt/pass-phase",
     "z_loss": "z-loss",
+    "skipped_steps": "skipped-steps",  # steps whose update was skipped (NaN/Inf gradient norm)
 }
 
 

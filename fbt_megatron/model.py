@@ -14,7 +14,6 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -28,6 +27,7 @@ from fbt_megatron import platform
 from fbt_megatron.config import FBTConfig
 from fbt_megatron.fbt import Feedback, LatentFeedbackFusion, LatentFeedbackFusionSubmodules
 from fbt_megatron.layers import (
+    FBTDotProductAttention,
     FBTTransformerLayer,
     FBTTransformerLayerSubmodules,
     FBTSelfAttention,
@@ -45,8 +45,12 @@ class FBTModelSubmodules:
     feedback_fusion: Optional[ModuleSpec]
 
 
-def fbt_model_spec(config: FBTConfig, use_transformer_engine: Optional[bool] = None) -> FBTModelSubmodules:
-    """ModuleSpecs of the whole model; TE is used when available unless told otherwise."""
+def fbt_model_spec(
+    config: FBTConfig, use_transformer_engine: Optional[bool] = None, local_attention: bool = False,
+) -> FBTModelSubmodules:
+    """ModuleSpecs of the whole model; TE is used when available unless told otherwise.
+    ``local_attention``: megatron-core's local attention core even beside TE's layers (it has no
+    parameters, so checkpoints do not change): packed SFT rows need its explicit mask."""
     te = platform.have_transformer_engine() if use_transformer_engine is None else use_transformer_engine
     if te:
         platform.require_transformer_engine("the Transformer Engine spec")
@@ -59,7 +63,9 @@ def fbt_model_spec(config: FBTConfig, use_transformer_engine: Optional[bool] = N
 
         norm, col, row, core_attention = TENorm, TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention
     else:
-        norm, col, row, core_attention = RMSNorm, ColumnParallelLinear, RowParallelLinear, DotProductAttention
+        norm, col, row, core_attention = RMSNorm, ColumnParallelLinear, RowParallelLinear, FBTDotProductAttention
+    if local_attention:
+        core_attention = FBTDotProductAttention
 
     qk_norm = norm if config.qk_layernorm else None
     attn_submodules = dict(
@@ -167,7 +173,14 @@ class FBTModel(GPTModel):
         ``feedback`` in; a later stage starts from ``hidden_states``, the previous stage's output.
         ``inference_context`` (megatron's StaticInferenceContext, eval mode): the KV cache of
         ``fbt_megatron.generate``; the inputs are the positions after its ``sequence_len_offset``,
-        and the logits only the last position's (megatron's static-batching default)."""
+        and the logits only the last position's (megatron's static-batching default).
+        ``attention_mask`` [b, 1, s, s] (True = masked; packed SFT rows, ``fbt.PackedRows``) replaces
+        the causal mask; sliding-window layers keep their window. Local attention core only: TE's
+        would take its own causal mask and ignore it."""
+        if attention_mask is not None and not isinstance(self.decoder.layers[0].self_attention.core_attention,
+                                                         FBTDotProductAttention):
+            raise ValueError("packed rows (SFT) need the local attention core (fbt_model_spec(local_attention=True)); "
+                             "Transformer Engine's would ignore the conversation boundaries")
         decoder_input = None
         if self.pre_process:
             decoder_input = self.embed(input_ids, position_ids) if embeddings is None else embeddings

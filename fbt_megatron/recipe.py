@@ -39,8 +39,8 @@ class DataSection:
     """A prepared corpus folder (with corpus.json), or where to prepare ``corpus``."""
     corpus: Optional[str] = "stdlib"
     """Source to prepare ``data_path`` from on first use: ``stdlib`` (embedded), a folder, a JSONL
-    file or a state-tracking task (``state_tracking:parity``, ``sum_mod5``, ``s3``); null:
-    ``data_path`` must already be prepared."""
+    file, a state-tracking task (``state_tracking:parity``, ``sum_mod5``, ``s3``) or, with --sft, the
+    tiny chat set (``sft:stdlib``, ``sft:FOLDER`` of .py files); null: ``data_path`` must already be prepared."""
     vocab_size: int = 2048
     """Tokenizer size when the corpus is prepared here (it sets the embedding size too)."""
     train_data_path: Optional[List[Any]] = None
@@ -57,13 +57,14 @@ class DataSection:
     """Pad the vocabulary to a multiple of this (times TP)."""
     sft: bool = False
     """Supervised fine-tuning on chat JSONL ({"messages": [{"role": ..., "content": ...}, ...]}):
-    train_data_path / valid_data_path are .jsonl files, tokenised with the tokenizer's chat
-    template and packed (fbt_megatron/data/sft.py); loss on assistant tokens only."""
+    train_data_path / valid_data_path are .jsonl files (or data_path a prepared SFT set), tokenised
+    with the tokenizer's chat template and packed whole into rows (fbt_megatron/data/sft.py); each
+    conversation attends only to itself; loss on assistant tokens only."""
     sft_skip_bad_records: bool = False
     """SFT: skip (and count) bad records instead of stopping at the first with its file and line."""
     sft_prefix_mixin: Literal["prompt", "random"] = "prompt"
-    """SFT: the fused passes keep plain embeddings on the prompt (up to the end of the first user
-    turn: prompt-then-generate), or on a random prefix as in pretraining."""
+    """SFT: the fused passes keep plain embeddings on the prompt (system and user turns, up to each
+    assistant turn: prompt-then-generate), or on a random prefix as in pretraining."""
 
 
 @dataclass
@@ -85,13 +86,13 @@ class TrainingSection:
     exit_interval: Optional[int] = None
     """Stop (after a checkpoint) once the iteration is a multiple of this; a later --load resumes."""
     exit_duration_in_mins: Optional[float] = None
-    """Stop (after a checkpoint) at the first step boundary after this many minutes of this job."""
+    """Stop (after a checkpoint, exit 0) at the first step boundary after this many minutes of training."""
     exit_signal_handler: bool = True
-    """On SIGTERM or SIGINT (Ctrl-C, Slurm's pre-timeout signal, scontrol requeue), every rank stops
-    at the next step boundary, saves a checkpoint and exits 0."""
+    """On SIGTERM or SIGINT (Ctrl-C, Slurm's pre-timeout signal, scontrol requeue), all ranks stop at
+    a step boundary, save a checkpoint and exit 0; a second Ctrl-C aborts."""
     max_bad_steps: int = 5
-    """A step whose loss or gradient norm is NaN/Inf is skipped and counted; after this many
-    consecutive ones the run stops, its last good checkpoint intact (0: stop at the first)."""
+    """A step with a NaN/Inf loss or gradient norm is skipped (no update) and counted; more than this
+    many in a row stop the run (exit 2), its last good checkpoint intact."""
     threads: int = 0
     """torch intra-op threads per process (0: torch's default)."""
     z_loss_coeff: float = 0.0
@@ -100,6 +101,8 @@ class TrainingSection:
     """When the z-loss is on: in the learning-rate cooldown only (the paper), or from the first step."""
     dry_run: bool = False
     """Print the plan (parameters, steps, layout, memory, FLOPs, wall time: fbt_megatron.plan) and exit."""
+    inject_nan: Optional[str] = None
+    """Testing aid: NaN/Inf at chosen steps, e.g. "loss@3,grad@5-6,grad@9:inf" (bad_steps.py)."""
 
 
 @dataclass
@@ -204,8 +207,8 @@ class CheckpointSection:
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, keep the checkpoint's learning-rate schedule even where this run's flags differ."""
     pretrained_checkpoint: Optional[str] = None
-    """Run folder whose weights start this run (a stage: long context, SFT) when --load holds no
-    checkpoint yet: weights only, from any parallel layout; iteration 0, fresh optimizer and schedule."""
+    """Run folder whose latest weights start this run (a stage) while --load holds no checkpoint yet:
+    any layout, same shapes (RoPE base, sequence length may change); iteration 0, fresh optimizer."""
     finetune: bool = False
     """Load only the weights of --load's checkpoint and start at iteration 0 (Megatron-LM's --finetune)."""
     no_load_optim: bool = False
@@ -297,7 +300,9 @@ class Recipe:
             phases.append((step, mixture))
         return phases
 
-    def validate(self, world_size: int = 1) -> None:
+    def validate(self, world_size: int = 1, this_machine: bool = True) -> None:
+        """RecipeError for the first thing wrong; ``this_machine=False`` (planning a run for other
+        machines) skips what only this machine's software decides (Transformer Engine for CP)."""
         t, p, o = self.training, self.parallel, self.optimizer
         positive = [
             ("training.micro_batch_size", t.micro_batch_size),
@@ -321,6 +326,14 @@ class Recipe:
         c = self.checkpoint
         if c.save_interval is not None and c.save_interval < 1:
             raise RecipeError(f"checkpoint.save_interval must be >= 1, got {c.save_interval}")
+        if c.keep_last_n_checkpoints < 0 or t.max_bad_steps < 0:
+            raise RecipeError("checkpoint.keep_last_n_checkpoints and training.max_bad_steps must be >= 0")
+        if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+            raise RecipeError(f"training.exit_duration_in_mins must be > 0, got {t.exit_duration_in_mins}")
+        if t.inject_nan is not None:
+            from fbt_megatron.bad_steps import NaNInjection
+
+            NaNInjection(t.inject_nan)  # a malformed spec: one error line before any work
         if c.ckpt_step is not None and c.load is None:
             raise RecipeError("checkpoint.ckpt_step picks a checkpoint of --load: give --load too")
         if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
@@ -353,7 +366,7 @@ class Recipe:
             chunks = 2 * p.context_parallel_size * (p.tensor_model_parallel_size if p.sequence_parallel else 1)
             if self.data.seq_length % chunks:
                 raise RecipeError(f"data.seq_length {self.data.seq_length} does not split into {chunks} equal chunks (context parallel)")
-            if not platform.have_transformer_engine():
+            if this_machine and not platform.have_transformer_engine():
                 raise RecipeError("parallel.context_parallel_size > 1 needs Transformer Engine attention (a CUDA machine with the GPU extras)")
         if o.bf16 and o.fp16:
             raise RecipeError("optimizer.bf16 and optimizer.fp16 are exclusive")

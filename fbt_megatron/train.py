@@ -19,14 +19,16 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from fbt_megatron import checkpointing, flags, platform
+from fbt_megatron import checkpointing, flags, platform, stages
+from fbt_megatron.bad_steps import BadSteps, NaNInjection, optimizer_step
 from fbt_megatron.cli import quiet_library_warnings, run_cli
-from fbt_megatron.fbt import PassPhase, PassSchedule, pass_weights
+from fbt_megatron.fbt import PackedRows, PassPhase, PassSchedule, pass_weights
 from fbt_megatron.losses import z_loss_coefficient
 from fbt_megatron.metrics import MetricsLogger, PassShares
 from fbt_megatron.plan.flops import Throughput, flops_per_token
 from fbt_megatron.plan.gpus import peak_tflops
 from fbt_megatron.recipe import Recipe, RecipeError
+from fbt_megatron.stopping import StopCheck, stop_line, write_status
 
 
 DESCRIPTION = ("Train an FBT model (or its baseline) from a recipe, alone or under torchrun/srun. "
@@ -40,7 +42,7 @@ def build_model(recipe: Recipe, vocab_size: int):
     from fbt_megatron.parallel import data as parallel_data
     from fbt_megatron.parallel import pipeline
     from fbt_megatron.config import make_config
-    from fbt_megatron.model import FBTModel
+    from fbt_megatron.model import FBTModel, fbt_model_spec
     from fbt_megatron import optimizers
 
     o, p = recipe.optimizer, recipe.parallel
@@ -60,7 +62,8 @@ def build_model(recipe: Recipe, vocab_size: int):
             "params_dtype": dtype,
         },
     )
-    model = FBTModel(config, **pipeline.stage()).to(device=platform.device(), dtype=dtype)
+    spec = fbt_model_spec(config, local_attention=recipe.data.sft)  # packed SFT rows: an explicit attention mask
+    model = FBTModel(config, spec, **pipeline.stage()).to(device=platform.device(), dtype=dtype)
     ddp = parallel_data.wrap(config, model, p.overlap_grad_reduce, optimizers.ddp_shards_gradients(recipe))
     return config, model, ddp
 
@@ -202,15 +205,27 @@ class Data:
 
 
 def build_data(recipe: Recipe, world_rank: int) -> Data:
-    """Tokenizer and datasets: GPTDatasets of a corpus or a blend, or the examples of a
-    state-tracking task (``fbt_megatron.tasks.state_tracking``). The embedded default corpus and
-    the tasks are prepared on first use (rank 0 prepares, the others wait)."""
+    """Tokenizer and datasets: GPTDatasets of a corpus or a blend, the examples of a
+    state-tracking task (``fbt_megatron.tasks.state_tracking``), or packed chat conversations
+    (``--sft``: ``fbt_megatron.data.sft``). The embedded default corpus, the tasks and the tiny SFT
+    set are prepared on first use (rank 0 prepares, the others wait)."""
+    from fbt_megatron.data import sft
     from fbt_megatron.data.corpus import ensure_corpus, load_corpus
     from fbt_megatron.data.datasets import build_datasets
     from fbt_megatron.data.tokenizer import load_tokenizer
     from fbt_megatron.tasks import state_tracking
 
     d, t = recipe.data, recipe.training
+    if d.sft:
+        if recipe.parallel.context_parallel_size > 1:
+            raise RecipeError("--sft packs conversations into rows, which context parallelism would split: use "
+                              "--context-parallel-size 1")
+        if d.train_data_path is None and sft.set_source(d.corpus):
+            if world_rank == 0:
+                sft.ensure_sft_set(d.corpus, d.data_path, d.tokenizer_model, d.seq_length)
+            dist.barrier()
+        tokenizer, train, valid, source = sft.load_sft_data(d, t.seed, report=world_rank == 0)
+        return Data(tokenizer=tokenizer, train=train, valid=valid, source=source)
     gbs = t.global_batch_size
     num_samples = (t.train_iters * gbs, max(1, t.eval_iters) * gbs)
     task = state_tracking.task_name(d.corpus)
@@ -276,7 +291,9 @@ def sequence_seed(seed: int, sample: int) -> int:
 def microbatches(dataset, first_sample: int, recipe: Recipe, dp_rank: int, dp_size: int):
     """This data-parallel rank's microbatches of the global batch starting at ``first_sample``.
     Global batch g holds samples [g·G, (g+1)·G); rank r takes its contiguous G/dp of them. Under
-    context parallelism each CP rank keeps its load-balanced chunks of every sequence."""
+    context parallelism each CP rank keeps its load-balanced chunks of every sequence. Rows of
+    packed conversations (SFT: items with ``segments`` and ``plain``) come with ``packed``
+    (``fbt.PackedRows``)."""
     from megatron.core import parallel_state
 
     from fbt_megatron.parallel.sequence import shard_positions
@@ -291,9 +308,12 @@ def microbatches(dataset, first_sample: int, recipe: Recipe, dp_rank: int, dp_si
         items = [dataset[i] for i in ids]
         batch = {
             key: torch.stack([torch.as_tensor(item[key]) for item in items])[:, columns].to(platform.device())
-            for key in ("tokens", "labels", "loss_mask")
+            for key in ("tokens", "labels", "loss_mask", "segments", "plain") if key in items[0]
         }
         batch["seeds"] = [sequence_seed(t.seed, i) for i in ids]
+        if "segments" in batch:  # packed conversations (SFT): attention and feedback stay inside each
+            batch["packed"] = PackedRows(batch.pop("segments"), batch.pop("plain"),
+                                         prompt_prefix=recipe.data.sft_prefix_mixin == "prompt")
         yield batch
 
 
@@ -354,6 +374,7 @@ class TrainState:
     lr_schedule: dict = field(default_factory=dict)  # the curve the optimizer followed (``lr_schedule``)
     recipe: dict = field(default_factory=dict)  # the whole recipe of the run's latest stretch (``runs.load_run``)
     vocab_size: int = 0  # the embedding's (padded) vocabulary size
+    skipped_steps: int = 0  # steps whose update was skipped (NaN/Inf gradient norm: ``bad_steps``)
 
 
 def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
@@ -372,34 +393,6 @@ def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
         return {}
     mean = torch.tensor(losses).mean(0).tolist()
     return {f"valid_loss_fused{j}": v for j, v in enumerate(mean)}
-
-
-def checkpoint_state(recipe: Recipe, folder: str, iteration: Optional[int] = None) -> dict:
-    """The training state of a checkpoint of run ``folder`` (the latest, or ``iteration``'s),
-    refused when its model is not the recipe's."""
-    saved, model = checkpointing.read_train_state(folder, iteration=iteration), recipe.to_dict()["model"]
-    if saved["model"] != model:
-        raise RecipeError(f"the checkpoint in {folder} is of model {saved['model']}, the recipe asks for {model}")
-    return saved
-
-
-def resume_state(recipe: Recipe) -> Optional[dict]:
-    """The training state of the checkpoint ``--load`` resumes from (None: start from scratch),
-    checked against the recipe before any work is done."""
-    c = recipe.checkpoint
-    if c.load is None:
-        return None
-    if not Path(c.load).is_dir():
-        raise RecipeError(f"--load {c.load}: no such run folder")
-    if c.ckpt_step is None and checkpointing.latest_iteration(c.load) is None:
-        print(f"--load {c.load}: no checkpoint yet, starting from scratch", flush=True)
-        return None
-    saved = checkpoint_state(recipe, c.load, c.ckpt_step)
-    if saved["iteration"] >= recipe.training.train_iters:
-        raise RecipeError(
-            f"the checkpoint in {c.load} is at iteration {saved['iteration']}, not before --train-iters {recipe.training.train_iters}"
-        )
-    return saved
 
 
 def validation_note(valid, recipe: Recipe) -> Optional[str]:
@@ -437,6 +430,7 @@ def header(recipe: Recipe, model, vocab: int, data: Data, schedule: dict, start:
 
 def train(recipe: Recipe) -> List[dict]:
     """Train per the recipe; returns the logged records (also on stdout / metrics.jsonl / TensorBoard)."""
+    began = time.monotonic()  # --exit-duration-in-mins counts from here
     t, c, g = recipe.training, recipe.checkpoint, recipe.logging
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -448,7 +442,8 @@ def train(recipe: Recipe) -> List[dict]:
         return []
     recipe.validate(world)
     warmup_note = recipe.clamp_warmup()
-    saved = resume_state(recipe)
+    origin = stages.start_of(recipe)  # resume, weights of another run (a stage), or None: from scratch
+    saved = origin.saved if origin is not None and not origin.weights_only else None
     schedule, schedule_note = choose_schedule(recipe, saved)
     p = recipe.parallel
     platform.init_distributed(
@@ -457,6 +452,7 @@ def train(recipe: Recipe) -> List[dict]:
     rank = dist.get_rank()
     data = build_data(recipe, rank)
     vocab = data.tokenizer.padded_vocab_size(recipe.parallel.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
+    stages.check_vocabulary(origin, vocab)
     config, model, ddp = build_model(recipe, vocab)
     optimizer, scheduler = build_optimizer(recipe, config, ddp, schedule)
     passes = pass_schedule(recipe)
@@ -464,8 +460,9 @@ def train(recipe: Recipe) -> List[dict]:
     state = TrainState(pass_schedule=passes.state_dict(), model=recipe.to_dict()["model"], lr_schedule=schedule,
                        recipe=recipe.to_dict(), vocab_size=vocab)
 
+    if origin is not None:
+        stages.load(origin, recipe, model, optimizer, scheduler)
     if saved is not None:
-        checkpointing.load(c.load, model, optimizer, scheduler, iteration=c.ckpt_step)
         state = TrainState(**{**saved, **{k: getattr(state, k) for k in ("pass_schedule", "lr_schedule", "recipe", "vocab_size")}})
     if c.create_seed_checkpoint:
         print(f"seed checkpoint: {checkpointing.save(c.save, state.iteration, model, None, None, vars(state))}", flush=True)
@@ -475,66 +472,107 @@ def train(recipe: Recipe) -> List[dict]:
     logger = MetricsLogger(c.save, active=is_logger, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
                            resume_from=state.iteration)
     if is_logger:
-        notes = [warmup_note, schedule_note, validation_note(data.valid, recipe)]
+        notes = [origin and origin.note, warmup_note, schedule_note, validation_note(data.valid, recipe)]
         print("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *filter(None, notes)]), flush=True)
     tokens_per_step = t.global_batch_size * recipe.data.seq_length
     throughput = Throughput(config, dist.get_world_size(), peak_tflops(g.peak_tflops), state.tokens, state.compute_tokens)
     records, window_time, window_steps = [], 0.0, 0
-    while state.iteration < t.train_iters:
-        k = passes(state.iteration)
-        start = time.perf_counter()
-        log_step = (state.iteration + 1) % g.log_interval == 0 or state.iteration + 1 == t.train_iters
-        ddp.start_step(k)
-        model.z_loss.start_step(z_loss_coefficient(t, cooldown_start(schedule), state.iteration))
-        optimizer.zero_grad()
-        report = run_schedule(recipe, ddp, data.train, state.consumed_samples, k, forward_only=False, measure_deltas=log_step)
-        if report and t.z_loss_coeff:  # logged from the first step: 0 before the z-loss switches on
-            report["z_loss"] = model.z_loss.value(config)
-        _, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=1)
-        window_time += time.perf_counter() - start
-        window_steps += 1
-        state.iteration += 1
-        state.consumed_samples += t.global_batch_size
-        state.tokens += tokens_per_step
-        state.compute_tokens += tokens_per_step * k
+    stop = StopCheck(t.exit_duration_in_mins, t.exit_signal_handler, began)  # signals and the time budget
+    injection, bad = NaNInjection(t.inject_nan), BadSteps(t.max_bad_steps, state.skipped_steps)
+    newest = checkpointing.latest_iteration(c.save) if c.save else None
+    last_checkpoint = None if newest is None else checkpointing.checkpoint_dir(c.save, newest)
+    background = checkpointing.BackgroundSaves() if c.async_save else None  # --async-save
+    ending = reason = None
+    saves, save_time, loop_start, first_step = 0, 0.0, time.perf_counter(), state.iteration
+    try:
+        while state.iteration < t.train_iters:
+            k = passes(state.iteration)
+            start = time.perf_counter()
+            log_step = (state.iteration + 1) % g.log_interval == 0 or state.iteration + 1 == t.train_iters
+            stop.start_step()
+            ddp.start_step(k)
+            model.z_loss.start_step(z_loss_coefficient(t, cooldown_start(schedule), state.iteration))
+            optimizer.zero_grad()
+            with injection.forward(state.iteration + 1, model):
+                report = run_schedule(recipe, ddp, data.train, state.consumed_samples, k, forward_only=False, measure_deltas=log_step)
+            injection.gradient(state.iteration + 1, model)
+            if report and t.z_loss_coeff:  # logged from the first step: 0 before the z-loss switches on
+                report["z_loss"] = model.z_loss.value(config)
+            updated, grad_norm = optimizer_step(optimizer)  # no update when the gradient norm is NaN/Inf
+            if updated:
+                scheduler.step(increment=1)
+            bad.record(state.iteration + 1, updated, grad_norm)
+            if bad.consecutive and is_logger:
+                print(f"step {state.iteration + 1} skipped: gradient norm {grad_norm} ({bad.consecutive} in a row, "
+                      f"{bad.skipped} in all)", flush=True)
+            window_time += time.perf_counter() - start
+            window_steps += 1
+            state.iteration += 1
+            state.consumed_samples += t.global_batch_size
+            state.tokens += tokens_per_step
+            state.compute_tokens += tokens_per_step * k
+            state.skipped_steps = bad.skipped
 
-        if log_step and not report:  # not the last pipeline stage: no losses here
-            if t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters):
-                evaluate(recipe, config, ddp, data.valid)
-        elif log_step:
-            report = data_parallel_mean(report)
-            losses = report["pass_losses"]
-            record = {
-                "step": state.iteration,
-                "k": k,
-                "loss": sum(w * l for w, l in zip(pass_weights(config, k), losses)),
-                "pass_losses": losses,
-                "state_deltas": report.get("state_deltas", []),
-                "lr": scheduler.get_lr(optimizer.param_groups[0]),
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "iteration_time": window_time / window_steps,
-                "tokens_per_s": window_steps * tokens_per_step / window_time,
-                "tokens": state.tokens,
-                "compute_tokens": state.compute_tokens,
-            }
-            record.update(throughput.fields(record))  # tokens/s and model TFLOP/s per GPU, MFU (fbt_megatron.plan.flops)
-            record.update(pass_shares(state.iteration))  # the step's pass-schedule phase, the share of each k so far
-            if "z_loss" in report:  # `loss` is the objective, cross-entropy + z; `pass_losses` stay cross-entropy
-                record.update(z_loss=report["z_loss"], loss=record["loss"] + report["z_loss"])
-            window_time, window_steps = 0.0, 0
-            if t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters):
-                record.update(evaluate(recipe, config, ddp, data.valid))
-            records.append(record)
-            logger.log(record)
-        exiting = t.exit_interval is not None and state.iteration % t.exit_interval == 0
-        if c.save and (
-            exiting or state.iteration == t.train_iters or (c.save_interval and state.iteration % c.save_interval == 0)
-        ):
-            checkpointing.save(c.save, state.iteration, model, optimizer, scheduler, vars(state))
-        if exiting:
-            break
-    logger.close()
+            if log_step and not report:  # not the last pipeline stage: no losses here
+                if t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters):
+                    evaluate(recipe, config, ddp, data.valid)
+            elif log_step:
+                report = data_parallel_mean(report)
+                losses = report["pass_losses"]
+                record = {
+                    "step": state.iteration,
+                    "k": k,
+                    "loss": sum(w * l for w, l in zip(pass_weights(config, k), losses)),
+                    "pass_losses": losses,
+                    "state_deltas": report.get("state_deltas", []),
+                    "lr": scheduler.get_lr(optimizer.param_groups[0]),
+                    "grad_norm": grad_norm,
+                    "skipped_steps": bad.skipped,
+                    "iteration_time": window_time / window_steps,
+                    "tokens_per_s": window_steps * tokens_per_step / window_time,
+                    "tokens": state.tokens,
+                    "compute_tokens": state.compute_tokens,
+                }
+                record.update(throughput.fields(record))  # tokens/s and model TFLOP/s per GPU, MFU (fbt_megatron.plan.flops)
+                record.update(pass_shares(state.iteration))  # the step's pass-schedule phase, the share of each k so far
+                if "z_loss" in report:  # `loss` is the objective, cross-entropy + z; `pass_losses` stay cross-entropy
+                    record.update(z_loss=report["z_loss"], loss=record["loss"] + report["z_loss"])
+                window_time, window_steps = 0.0, 0
+                if t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters):
+                    record.update(evaluate(recipe, config, ddp, data.valid))
+                records.append(record)
+                logger.log(record)
+            reason = stop.stop_reason()  # the same on every rank
+            if background is not None:
+                background.poll()  # finish the checkpoints written in the background by now
+            exiting = t.exit_interval is not None and state.iteration % t.exit_interval == 0
+            if c.save and not bad.consecutive and (  # never a checkpoint right after a bad step
+                reason or exiting or state.iteration == t.train_iters or (c.save_interval and state.iteration % c.save_interval == 0)
+            ):
+                saving = time.perf_counter()
+                last_checkpoint = checkpointing.save(c.save, state.iteration, model, optimizer, scheduler, vars(state),
+                                                     keep_last=c.keep_last_n_checkpoints, background=background)
+                saves, save_time = saves + 1, save_time + time.perf_counter() - saving
+            if bad.too_many:
+                if background is not None:
+                    background.wait()
+                write_status(c.save, "bad_steps", state.iteration, t.train_iters, last_checkpoint)
+                raise bad.error(state.iteration, last_checkpoint)
+            if reason or exiting:
+                ending = reason or "exit_interval"
+                break
+        if background is not None:
+            background.wait()
+    finally:
+        stop.close()
+        logger.close()
+    if saves and is_logger:
+        steps, wall = state.iteration - first_step, time.perf_counter() - loop_start
+        print(f"{steps} steps in {wall:.1f} s ({wall / steps:.3f} s per step), of which saving {saves} checkpoints "
+              f"held up training {save_time:.1f} s" + (" (written in the background: --async-save)" if background else ""), flush=True)
+    write_status(c.save, ending or "finished", state.iteration, t.train_iters, last_checkpoint, stop.signal)
+    if reason and rank == 0:
+        print(stop_line(stop.describe(reason), state.iteration, c.save, last_checkpoint), flush=True)
     return records
 
 

@@ -7,34 +7,67 @@ process of its own: its own ``sys.argv``, the module's ``main`` run as ``python 
 (``fbt_megatron.cli.run_cli``) to its exit code, stdout and stderr in files. A later command sees what earlier ones wrote (a
 resumed run after the run it resumes). Nothing but the imports is shared: the parent runs no
 torch work before forking.
+
+A command may also carry signals to send to its process (``Signal``: Ctrl-C, SIGTERM, kill -9 at
+a chosen moment): each once the command's output contains ``output`` and a file matching the glob
+``path`` exists, ``delay`` seconds later, one after another. Each child leads a process group of
+its own and a signal goes to the whole group, as a terminal's Ctrl-C or Slurm's signal to a job
+step does (the helper processes it started too). With ``listing`` (a folder) the parent records
+the names of its entries after each command, before the next one starts: e.g. what a killed run
+left behind (``run_commands(..., listing=folder, listings=[])``).
 """
 
+import atexit
+import glob
 import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from fbt_megatron.cli import run_cli
 
 ROOT = Path(__file__).parent.parent
-Command = Tuple[Sequence[str], Path, Optional[Path]]  # argv, stdout file, stderr file (None: with stdout)
 
 
-def run_commands(module: str, commands: List[Command], timeout: int = 900) -> List[int]:
-    """The exit codes of ``python -m module *argv`` for each command, run one after another."""
+class Signal(NamedTuple):
+    """A signal for a command's process, sent ``delay`` s after its output contains ``output`` and
+    a file matching the glob ``path`` exists (None: no such condition)."""
+
+    signal: int
+    output: Optional[str] = None
+    path: Optional[str] = None
+    delay: float = 0.0
+
+
+# argv, stdout file, stderr file (None: with stdout)[, signals to send]
+Command = Tuple[Sequence[str], Path, Optional[Path]] | Tuple[Sequence[str], Path, Optional[Path], Sequence[Signal]]
+
+
+def run_commands(module: str, commands: List[Command], timeout: int = 900, listing: Optional[Path] = None,
+                 listings: Optional[list] = None) -> List[int]:
+    """The exit codes of ``python -m module *argv`` for each command, run one after another;
+    ``listings`` (with ``listing``) gets, per command, the sorted entry names of ``listing`` after it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     with tempfile.TemporaryDirectory() as tmp:
         spec, codes = Path(tmp) / "commands.json", Path(tmp) / "codes.json"
-        spec.write_text(json.dumps([[list(map(str, argv)), str(out), str(err) if err else None] for argv, out, err in commands]))
+        spec.write_text(json.dumps({
+            "listing": str(listing) if listing else None,
+            "commands": [[list(map(str, c[0])), str(c[1]), str(c[2]) if c[2] else None, [list(s) for s in (c[3] if len(c) > 3 else [])]]
+                         for c in commands],
+        }))
         run = subprocess.run([sys.executable, __file__, module, str(spec), str(codes)], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=timeout)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-        return json.loads(codes.read_text())
+        results = json.loads(codes.read_text())
+        if listings is not None:
+            listings.extend(results["listings"])
+        return results["codes"]
 
 
 def _child(module, argv: List[str], out: str, err: Optional[str]) -> int:
@@ -43,6 +76,7 @@ def _child(module, argv: List[str], out: str, err: Optional[str]) -> int:
     os.dup2(out_fd, 1)
     os.dup2(os.open(err, flags, 0o644) if err else out_fd, 2)
     sys.argv = [module.__name__, *argv]
+    os.setpgid(0, 0)
     try:
         run_cli(module.main)
     except SystemExit as e:
@@ -51,22 +85,49 @@ def _child(module, argv: List[str], out: str, err: Optional[str]) -> int:
         traceback.print_exc()
         return 1
     finally:
+        atexit._run_exitfuncs()  # what the interpreter's exit runs: e.g. stop multiprocessing managers
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def _wait(pid: int, out: str, signals: list) -> int:
+    """Wait for the child, sending it ``signals`` (``Signal`` fields) as their conditions come true."""
+    def printed(text):
+        return os.path.exists(out) and text in Path(out).read_text(errors="replace")
+
+    for number, output, path, delay in signals:
+        while not ((output is None or printed(output)) and (path is None or glob.glob(path))):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.005)
+        time.sleep(delay)
+        try:
+            os.killpg(pid, number)
+        except ProcessLookupError:
+            break
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def main() -> None:
     name, spec, results = sys.argv[1:]
     module = importlib.import_module(name)  # under its own name: a ``__main__`` module's guard stays shut
-    codes = []
-    for argv, out, err in json.loads(Path(spec).read_text()):
+    spec = json.loads(Path(spec).read_text())
+    codes, listings = [], []
+    for argv, out, err, signals in spec["commands"]:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             os._exit(_child(module, argv, out, err))
-        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-    Path(results).write_text(json.dumps(codes))
+        try:
+            os.setpgid(pid, pid)  # also here: before the child may have run its own setpgid
+        except (PermissionError, ProcessLookupError):
+            pass
+        codes.append(_wait(pid, out, signals))
+        if spec["listing"]:
+            listings.append(sorted(os.listdir(spec["listing"])) if os.path.isdir(spec["listing"]) else [])
+    Path(results).write_text(json.dumps({"codes": codes, "listings": listings}))
 
 
 if __name__ == "__main__":

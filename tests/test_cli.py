@@ -31,7 +31,7 @@ def test_help_is_grouped_described_and_typed(tmp_path):
     groups = [line[:-1] for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert groups == ["recipe", "training", "data", "model", "FBT passes and feedback",
                       "optimizer and learning-rate schedule", "parallelism and memory", "checkpoint", "logging"]
-    assert "--moe-" not in out and len(out.splitlines()) < 250  # megatron-core's pass-through fields: --help-all
+    assert "--moe-" not in out and len(out.splitlines()) < 300  # megatron-core's pass-through fields: --help-all
 
     assert code_recipe == 0 and "(default: 800)" in with_recipe  # the recipe's train_iters, not the dataclass's 100
     assert code_all == 0 and "--moe-router-topk INT" in everything and len(everything) > 2 * len(out)

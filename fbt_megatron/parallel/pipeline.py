@@ -82,7 +82,7 @@ def _whole_model_step(num_passes: int, measure_deltas: bool, data_iterator, mode
     module = _unwrap(model)
     out = multi_pass_loss(
         module, batch["tokens"], batch["labels"], batch["loss_mask"], num_passes, batch["seeds"],
-        num_tokens=_loss_tokens(module.config, batch["loss_mask"]),
+        num_tokens=_loss_tokens(module.config, batch["loss_mask"]), packed=batch.get("packed"),
     )
     report = _microbatch_report(module.config, out.pass_losses, out.state_delta_squares if measure_deltas else [])
     return out.loss, lambda loss: (loss, report)
@@ -149,9 +149,10 @@ class _PassChunkStep:
         j, m, batch = next(data_iterator)
         module = _unwrap(model)
         labels = batch["labels"] if module.post_process else None
-        feedback_fn = default_feedback(module, batch["tokens"], batch["seeds"])
+        packed = batch.get("packed")  # packed conversations (SFT): every stage masks their attention
+        feedback_fn = default_feedback(module, batch["tokens"], batch["seeds"], packed)
         out, top = run_pass(module, batch["tokens"], labels, j, module.received, feedback_fn,
-                            backward_next=(j, m) in self.backward_next)
+                            backward_next=(j, m) in self.backward_next, packed=packed)
         if not module.post_process:
             return out, None  # hidden states, sent to the next stage
         if m not in self.loss_tokens:

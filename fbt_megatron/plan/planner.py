@@ -156,7 +156,7 @@ def make_plan(recipe: Recipe, world_size: int, gpu: Optional[GPU] = None, gpu_me
 
     if not 0 < mfu <= 1:
         raise RecipeError(f"--mfu must be in (0, 1], got {mfu}")
-    recipe.validate(world_size)
+    recipe.validate(world_size, this_machine=False)  # a plan for GPUs: CP's Transformer Engine is theirs
     t, p, o = recipe.training, recipe.parallel, recipe.optimizer
     config = model_config(recipe, vocab_size(recipe))
     with _single_process_group(), torch.device("meta"):

@@ -74,7 +74,8 @@ def load_trained(recipe, run_folder: str):
     """The run's model (this process alone, weights of its newest checkpoint) and its task."""
     from fbt_megatron import checkpointing, platform
     from fbt_megatron.tasks.state_tracking import load_task
-    from fbt_megatron.train import build_model, checkpoint_state
+    from fbt_megatron.stages import checkpoint_state
+    from fbt_megatron.train import build_model
 
     task = load_task(recipe.data.data_path)
     checkpoint_state(recipe, run_folder)  # the recipe's model, or one line saying it is not

@@ -1,0 +1,336 @@
+"""Operations (fbt_megatron.stopping, fbt_megatron.bad_steps, checkpoint retention): runs that
+stop early, steps that go bad, processes that die.
+
+* A skipped step is a step that never happened, for the optimizer: with Adam and NorMuon, fp32
+  and bf16, the weights and optimizer state after a skipped step are bitwise those before it, and
+  the next step equals megatron-core's own step on an optimizer that never saw the bad one.
+* Through the entry point (real processes, tests/forked.py, one interpreter start-up for all):
+  NaN/Inf injection, too many bad steps, SIGTERM, a second Ctrl-C (each signal to the process
+  group, as Slurm and a terminal send it), --exit-duration-in-mins, keep-last-N retention,
+  --async-save and kill -9 at 10 points (mid-step and mid-save) with resumes.
+"""
+
+import json
+import math
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from fbt_megatron import checkpointing, train
+from fbt_megatron.bad_steps import optimizer_step
+from fbt_megatron.metrics import read_metrics
+from forked import Signal, run_commands
+
+ROOT = Path(__file__).parent.parent
+TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
+SMALL = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
+         "--log-interval", "1", "--fused-prefill-passes", "1", "--threads", "1",
+         "--pass-phases", "[{start: 0.0, mixture: {1: 0.5, 2: 0.5}}]"]
+EVERY_STEP = ["--eval-interval", "1", "--eval-iters", "1"]  # the validation loss after every step: the weights seen
+KILL_ITERS = 13
+
+
+# ---------------------------------------------------------------- the skipped step, one process
+def _snapshot(model, optimizer):
+    return ([p.detach().clone() for p in model.parameters()],
+            [v.clone() if torch.is_tensor(v) else v for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+             for state in opt.optimizer.state.values() for _, v in sorted(state.items())])
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a, b)) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("name,precision", [("adam", []), ("adam", ["--bf16"]), ("normuon", []), ("normuon", ["--bf16"])])
+def test_a_skipped_step_is_a_step_that_never_happened(name, precision):
+    """Two copies of one model: copy A steps with megatron-core's ``optimizer.step()`` on gradients
+    g1, g3; copy B with ``optimizer_step`` on g1, a poisoned g2 (skipped), g3. After g1 they are
+    equal (``optimizer_step`` is megatron-core's step); the skipped step leaves B's weights and
+    optimizer state (moments, step counts) bitwise unchanged; after g3 B equals A: the skipped step
+    left no trace."""
+    recipe = train.parse_args(["--recipe", TINY, "--optimizer", name, *precision, "--seq-length", "32", "--num-layers", "2"])
+    copies = []
+    for _ in range(2):
+        config, model, ddp = train.build_model(recipe, 256)
+        optimizer, _ = train.build_optimizer(recipe, config, ddp)
+        copies.append((model, optimizer))
+    (model_a, opt_a), (model_b, opt_b) = copies
+    model_b.load_state_dict(model_a.state_dict())
+    for opt in (opt_a, opt_b):
+        opt.reload_model_params()
+        for group in opt.param_groups:
+            group["lr"] = 1e-2
+
+    def gradients(model, seed, poison=None):
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=g))
+        if poison is not None:
+            next(model.parameters()).main_grad.view(-1)[0] = poison
+
+    gradients(model_a, 1), gradients(model_b, 1)
+    assert opt_a.step()[0] and optimizer_step(opt_b)[0]
+    assert _same(_snapshot(model_a, opt_a)[0], _snapshot(model_b, opt_b)[0])
+    for poison in (math.nan, math.inf):
+        before = _snapshot(model_b, opt_b)
+        gradients(model_b, 2, poison)
+        updated, norm = optimizer_step(opt_b)
+        assert not updated and not math.isfinite(norm)
+        after = _snapshot(model_b, opt_b)
+        assert _same(before[0], after[0]) and _same(before[1], after[1])
+    gradients(model_a, 3), gradients(model_b, 3)
+    opt_a.step()
+    assert optimizer_step(opt_b)[0]
+    a, b = _snapshot(model_a, opt_a), _snapshot(model_b, opt_b)
+    assert not _same(before[0], b[0])  # the step did something
+    assert _same(a[0], b[0]) and _same(a[1], b[1])
+
+
+# ---------------------------------------------------------------- real runs
+def _kill_plan(folder: Path, seed: int = 13):
+    """10 kill -9 points, seeded: at step n = 2 … 11, alternately while checkpoint n is being
+    written (its .tmp folder exists) and during step n + 1 (checkpoint n complete)."""
+    rng = random.Random(seed)
+    plan = []
+    for i, n in enumerate(range(2, 12)):
+        if i % 2 == 0:
+            plan.append(Signal(signal.SIGKILL, path=str(folder / f"iter_{n:07d}.tmp"), delay=rng.uniform(0.0, 0.02)))
+        else:
+            plan.append(Signal(signal.SIGKILL, path=str(folder / f"iter_{n:07d}"), delay=rng.uniform(0.01, 0.05)))
+    return plan
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_corpus):
+    """Every command line of this module, one after another in forked processes of one interpreter."""
+    tmp = tmp_path_factory.mktemp("operations")
+    data = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null"]
+    kill = tmp / "kill"
+    kill.mkdir()  # --load of a run folder with no checkpoint yet: starts from scratch
+    commands = {
+        "clean": [*SMALL, *EVERY_STEP, "--train-iters", "7", "--save", tmp / "clean"],
+        "poisoned": [*SMALL, *EVERY_STEP, "--train-iters", "7", "--save", tmp / "poisoned", "--save-interval", "1",
+                     "--keep-last-n-checkpoints", "2", "--inject-nan", "loss@3,grad@5:inf"],
+        "normuon": [*SMALL, *EVERY_STEP, "--train-iters", "5", "--optimizer", "normuon", "--bf16", "--inject-nan", "grad@3"],
+        "streak": [*SMALL, "--eval-iters", "0", "--train-iters", "9", "--save", tmp / "streak", "--save-interval", "1",
+                   "--keep-last-n-checkpoints", "2", "--inject-nan", "grad@4-6", "--max-bad-steps", "2"],
+        "sigterm": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "sigterm"],
+        "sigterm_resumed": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "sigterm", "--load", tmp / "sigterm"],
+        "duration": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "duration",
+                     "--exit-duration-in-mins", "0.00001"],
+        "ctrl_c_twice": [*SMALL, "--eval-iters", "0", "--train-iters", "30", "--save", tmp / "ctrl_c"],
+        "async": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "async", "--save-interval", "2",
+                  "--keep-last-n-checkpoints", "2", "--async-save"],
+        "async_resumed": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "async_resumed", "--load", tmp / "async",
+                          "--ckpt-step", "6"],
+        "bad_spec": ["--inject-nan", "loss3", "--save", tmp / "bad"],
+        "bad_keep": ["--keep-last-n-checkpoints", "-1", "--save", tmp / "bad"],
+        "uninterrupted": [*SMALL, "--eval-iters", "0", "--train-iters", KILL_ITERS, "--save", tmp / "uninterrupted"],
+    }
+    signals = {
+        "sigterm": [Signal(signal.SIGTERM, output="step      3 ")],
+        "ctrl_c_twice": [Signal(signal.SIGINT, output="step      2 "), Signal(signal.SIGINT, output="SIGINT received")],
+    }
+    lines = [(name, [*data, *args], signals.get(name, [])) for name, args in commands.items()]
+    resume = [*data, *SMALL, "--eval-iters", "0", "--train-iters", KILL_ITERS, "--save-interval", "1", "--save", kill, "--load", kill]
+    lines += [(f"kill{i}", resume, [s]) for i, s in enumerate(_kill_plan(kill))]
+    lines.append(("kill_final", resume, []))
+    listings = []
+    codes = run_commands("fbt_megatron.train", [(["--recipe", TINY, *map(str, args)], tmp / f"{name}.log", None, sig)
+                                                for name, args, sig in lines], listing=kill, listings=listings)
+    return {name: {"code": code, "log": (tmp / f"{name}.log").read_text(), "listing": listing}
+            for (name, _, _), code, listing in zip(lines, codes, listings)}, tmp
+
+
+def _ok(run):
+    assert run["code"] == 0, run["log"][-3000:]
+    assert "Traceback" not in run["log"], run["log"][-3000:]
+
+
+@pytest.mark.slow
+def test_nan_and_inf_steps_are_skipped_and_counted(runs):
+    """A poisoned batch at step 3 (NaN loss) and a poisoned gradient at step 5 (Inf): both skipped
+    and counted, the weights unchanged by them (the validation loss after step 3 is bitwise the
+    one after step 2; after 5 the one after 4), the learning-rate schedule not advanced (step 4
+    has the clean run's lr of step 3), steps 1-2 bitwise the clean run's, every later step
+    finite; NorMuon in bf16 likewise."""
+    results, tmp = runs
+    for name in ("clean", "poisoned", "normuon"):
+        _ok(results[name])
+    clean, poisoned = read_metrics(tmp / "clean"), read_metrics(tmp / "poisoned")
+    assert [r["step"] for r in poisoned] == list(range(1, 8))
+    keys = ["k", "loss", "pass_losses", "grad_norm", "lr", "valid_loss_fused0"]
+    assert [{k: r[k] for k in keys} for r in poisoned[:2]] == [{k: r[k] for k in keys} for r in clean[:2]]
+    assert math.isnan(poisoned[2]["loss"]) and math.isnan(poisoned[2]["grad_norm"])  # the poisoned batch
+    assert math.isfinite(poisoned[4]["loss"]) and poisoned[4]["grad_norm"] == math.inf  # the poisoned gradient
+    assert [r["skipped_steps"] for r in poisoned] == [0, 0, 1, 1, 2, 2, 2]
+    for skipped in (3, 5):
+        assert poisoned[skipped - 1]["valid_loss_fused1"] == poisoned[skipped - 2]["valid_loss_fused1"]
+    assert poisoned[3]["lr"] == clean[2]["lr"] and poisoned[5]["lr"] == clean[3]["lr"]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in poisoned[5:])
+    log = results["poisoned"]["log"]
+    assert "step 3 skipped: gradient norm nan (1 in a row, 1 in all)" in log
+    assert "step 5 skipped: gradient norm inf (1 in a row, 2 in all)" in log
+    normuon = [line for line in results["normuon"]["log"].splitlines() if line.startswith("step ")]
+    assert "step 3 skipped" in results["normuon"]["log"]
+    valid = [float(line.rsplit("valid ", 1)[1].split("/")[0]) for line in normuon if "valid " in line]
+    assert valid[2] == valid[1] and valid[3] != valid[2] and all(math.isfinite(v) for v in valid)
+
+
+@pytest.mark.slow
+def test_too_many_bad_steps_stop_with_the_last_good_checkpoint(runs):
+    """--max-bad-steps 2 and bad steps 4-6: the third stops the run (one error line, exit 2); no
+    checkpoint was written after a bad step, so retention (keep 2) kept the last good ones, 2 and 3,
+    both complete."""
+    results, tmp = runs
+    run = results["streak"]
+    assert run["code"] == 2 and "Traceback" not in run["log"], run["log"][-3000:]
+    errors = [line for line in run["log"].splitlines() if line.startswith("error:")]
+    assert errors == [f"error: 3 consecutive steps with a NaN/Inf loss or gradient norm (steps 4-6; --max-bad-steps 2): "
+                      f"the last good checkpoint is {tmp / 'streak' / 'iter_0000003'}; lower --lr or check the data of these steps"]
+    assert checkpointing.iterations(tmp / "streak") == [2, 3]
+    assert [checkpointing.read_train_state(tmp / "streak", i)["iteration"] for i in (2, 3)] == [2, 3]
+    assert json.loads((tmp / "streak" / "exit_status.json").read_text())["reason"] == "bad_steps"
+
+
+@pytest.mark.slow
+def test_retention_keeps_the_newest_checkpoints(runs):
+    results, tmp = runs
+    folder = tmp / "poisoned"
+    assert checkpointing.iterations(folder) == [6, 7] and checkpointing.latest_iteration(folder) == 7
+    assert not [p for p in folder.iterdir() if p.name.endswith((".old", ".tmp"))]
+    assert checkpointing.read_train_state(folder, 6)["skipped_steps"] == 2
+
+
+@pytest.mark.slow
+def test_sigterm_saves_stops_and_resumes_exactly(runs):
+    """SIGTERM after step 3 is logged: the run stops at the next step boundary with a checkpoint
+    and one line, exit 0; --load resumes it and the losses equal the uninterrupted run's bit for bit."""
+    results, tmp = runs
+    _ok(results["sigterm"]), _ok(results["sigterm_resumed"])
+    log = results["sigterm"]["log"]
+    stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1 and stopped[0].startswith("stopped by SIGTERM at step "), log[-2000:]
+    step = int(stopped[0].split("at step ")[1].split(":")[0])
+    assert 3 <= step < 7 and stopped[0].endswith(f"checkpoint {tmp / 'sigterm' / f'iter_{step:07d}'}; "
+                                                 f"--load {tmp / 'sigterm'} resumes from it")
+    assert json.loads((tmp / "sigterm" / "exit_status.json").read_text()) == {
+        "reason": "finished", "step": 7, "train_iters": 7, "checkpoint": "iter_0000007"}
+    keys = ["k", "loss", "pass_losses", "state_deltas", "grad_norm", "lr"]  # training: validation does not change it
+    expected, got = read_metrics(tmp / "clean"), read_metrics(tmp / "sigterm")
+    assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in expected]
+
+
+@pytest.mark.slow
+def test_exit_duration_and_a_second_ctrl_c(runs):
+    results, tmp = runs
+    _ok(results["duration"])
+    assert "stopped by --exit-duration-in-mins 1e-05 at step 1: checkpoint" in results["duration"]["log"]
+    assert json.loads((tmp / "duration" / "exit_status.json").read_text())["reason"] == "duration"
+    twice = results["ctrl_c_twice"]
+    assert twice["code"] == 130 and "aborted by a second SIGINT: no checkpoint written" in twice["log"], twice["log"][-2000:]
+    assert "Traceback" not in twice["log"]
+
+
+@pytest.mark.slow
+def test_kill_9_at_10_points_then_resume_exactly(runs):
+    """kill -9 at 10 points (alternately mid-save and mid-step, tests/forked.py), each followed by
+    --load: (a) every resume starts from the newest checkpoint the killed run left, (b) every
+    checkpoint folder left is complete (manifest, sizes and hashes), (c) the losses logged after
+    the last resume equal the uninterrupted run's bit for bit."""
+    results, tmp = runs
+    kills = [results[f"kill{i}"] for i in range(10)]
+    assert all(run["code"] == -signal.SIGKILL for run in kills), [run["code"] for run in kills]
+    _ok(results["uninterrupted"]), _ok(results["kill_final"])
+    previous = [results[f"kill{i}"] for i in range(10)]
+    mid_save = 0
+    for before, after in zip(previous, [*kills[1:], results["kill_final"]]):
+        newest = max(int(name[len("iter_"):]) for name in before["listing"] if name.startswith("iter_") and name[5:].isdigit())
+        mid_save += any(name.endswith(".tmp") for name in before["listing"])
+        assert f"steps {newest}→{KILL_ITERS} " in after["log"], (before["listing"], after["log"][:800])
+    assert mid_save >= 3  # some kills left a half-written checkpoint (and it was never loaded)
+    folder = tmp / "kill"
+    for i in checkpointing.iterations(folder):
+        assert not checkpointing._problems(checkpointing.checkpoint_dir(folder, i), collective=True), i
+    keys = ["k", "loss", "pass_losses", "grad_norm", "lr"]
+    expected, got = read_metrics(tmp / "uninterrupted"), read_metrics(folder)
+    assert len(got) == KILL_ITERS and [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]
+
+
+@pytest.mark.slow
+def test_async_save_writes_the_same_checkpoints_in_the_background(runs):
+    """--async-save (saves at 2, 4, 6, 7, keep 2): the losses are the synchronous run's; the
+    checkpoints, finished at later step boundaries (manifest, rename, tracker, retention), are
+    complete; a run resumed from step 6 logs the uninterrupted run's step 7 bit for bit."""
+    results, tmp = runs
+    _ok(results["async"]), _ok(results["async_resumed"])
+    assert "(written in the background: --async-save)" in results["async"]["log"]
+    folder = tmp / "async"
+    assert checkpointing.iterations(folder) == [6, 7] and checkpointing.latest_iteration(folder) == 7
+    for i in (6, 7):
+        assert not checkpointing._problems(checkpointing.checkpoint_dir(folder, i), collective=True), i
+    keys = ["k", "loss", "pass_losses", "state_deltas", "grad_norm", "lr"]
+    clean = [{k: r[k] for k in keys} for r in read_metrics(tmp / "clean")]
+    assert [{k: r[k] for k in keys} for r in read_metrics(folder)] == clean
+    assert [{k: r[k] for k in keys} for r in read_metrics(tmp / "async_resumed")] == clean[6:]
+
+
+def _environ(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/environ").read_text(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def _children(pid: int) -> list:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_a_signal_only_one_of_them_received(tmp_path, small_corpus):
+    """torchrun, 2 data-parallel ranks: SIGTERM to rank 1 alone. Both ranks stop at the same step
+    boundary (the flag is all-reduced), save one complete checkpoint of that step together and
+    exit 0; rank 0, which got no signal, reports it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    save, log = tmp_path / "run", tmp_path / "run.log"
+    data = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m", "fbt_megatron.train",
+               "--recipe", TINY, *data, *SMALL, "--eval-iters", "0", "--train-iters", "200", "--save", str(save)]
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while "step      3 " not in log.read_text() and launcher.poll() is None:
+                time.sleep(0.05)
+            rank1 = [p for p in _children(launcher.pid) if "\0RANK=1\0" in "\0" + _environ(p)]
+            assert len(rank1) == 1, log.read_text()[-3000:]
+            os.kill(rank1[0], signal.SIGTERM)
+            code = launcher.wait(timeout=300)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    stopped = [line for line in text.splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1 and stopped[0].startswith("stopped by SIGTERM at step "), text[-3000:]
+    step = int(stopped[0].split("at step ")[1].split(":")[0])
+    assert 3 <= step < 200 and checkpointing.iterations(save) == [step]
+    assert not checkpointing._problems(checkpointing.checkpoint_dir(save, step), collective=True)
+    assert json.loads((save / "exit_status.json").read_text())["signal"] == "SIGTERM"
+
+
+@pytest.mark.slow
+def test_bad_operation_flags_are_one_line(runs):
+    results, tmp = runs
+    expected = {"bad_spec": "error: training.inject_nan: 'loss3' is not WHAT@STEP[-LAST][:nan|inf] (WHAT: loss or grad)",
+                "bad_keep": "error: checkpoint.keep_last_n_checkpoints and training.max_bad_steps must be >= 0"}
+    for name, line in expected.items():
+        assert results[name]["code"] == 2 and results[name]["log"].strip().splitlines() == [line], results[name]["log"]
+    assert not (tmp / "bad").exists()

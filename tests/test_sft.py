@@ -1,0 +1,179 @@
+"""The SFT stage (fbt_megatron/data/sft.py, fbt.PackedRows): the loss mask token by token, packed
+rows against each conversation alone for every pass, bad records, and a run of the entry point."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fbt_megatron import fbt
+from fbt_megatron.data import sft
+from fbt_megatron.data.tokenizer import load_tokenizer
+from fbt_megatron.metrics import read_metrics
+from forked import run_commands
+from helpers import build
+
+ROOT = Path(__file__).parent.parent
+CONVERSATION = [
+    {"role": "system", "content": "You answer questions."},
+    {"role": "user", "content": "What does json.loads do?"},
+    {"role": "assistant", "content": "Deserialize s to a Python object."},
+    {"role": "user", "content": "Its parameters?"},
+    {"role": "assistant", "content": "loads(s, **kw)"},
+]
+
+
+@pytest.fixture(scope="module")
+def encoder(small_corpus):
+    tokenizer = load_tokenizer(small_corpus.tokenizer_path)
+    return sft.ChatEncoder(tokenizer, sft.DEFAULT_CHAT_TEMPLATE, "the default chat template")
+
+
+def test_loss_mask_is_on_assistant_tokens_only(encoder):
+    """The row of a known conversation, token by token, against its pieces tokenised by hand:
+    the loss is on the assistant's content and end of turn, nothing else."""
+    tok = encoder.tokenizer
+    pieces = [("### system\nYou answer questions.\n", 0), ("### user\nWhat does json.loads do?\n", 0),
+              ("### assistant\n", 0), ("Deserialize s to a Python object.\n", 1), (None, 1),
+              ("### user\nIts parameters?\n", 0), ("### assistant\n", 0), ("loads(s, **kw)\n", 1), (None, 1)]
+    ids, generated = [], []
+    for text, is_assistant in pieces:
+        piece = [tok.eod] if text is None else tok.tokenize(text)
+        ids += piece
+        generated += [is_assistant] * len(piece)
+
+    got_ids, got_assistant = encoder.encode(CONVERSATION)
+    assert got_ids.tolist() == ids and got_assistant.tolist() == [bool(g) for g in generated]
+
+    n = len(ids) - 1
+    dataset = sft.SFTDataset([sft.Conversation(got_ids, got_assistant)], seq_length=n + 5, seed=0, pad=tok.pad)
+    row = dataset[0]
+    assert row["tokens"][:n].tolist() == ids[:-1] and row["labels"][:n].tolist() == ids[1:]
+    assert row["loss_mask"].tolist() == [float(g) for g in generated[1:]] + [0.0] * 5  # padding: no loss
+    assert row["plain"][:n].tolist() == [not g for g in generated[:-1]]  # input tokens of the prompt
+    assert row["segments"].tolist() == [0] * n + [1] * 5
+    # the labels under the loss read back as the two replies, each ended by EOD
+    labels = row["labels"][:n][row["loss_mask"][:n] == 1].tolist()
+    first = labels.index(tok.eod)
+    assert tok.detokenize(labels[:first]) == "Deserialize s to a Python object.\n"
+    assert tok.detokenize(labels[first + 1:-1]) == "loads(s, **kw)\n" and labels[-1] == tok.eod
+
+
+def _conversation(g: torch.Generator, length: int, prompt: int) -> sft.Conversation:
+    ids = torch.randint(0, 1024, (length,), generator=g).numpy()
+    return sft.Conversation(ids, np.arange(length) >= prompt)
+
+
+def _pass_losses(model, tokens, labels, feedback_fn, packed=None, k=3):
+    """Per-token losses [b, s] of passes 1..k (teacher-forced, as training runs them)."""
+    losses, state = [], None
+    with torch.no_grad():
+        for j in range(1, k + 1):
+            loss, state = fbt.run_pass(model, tokens, labels, j, state, feedback_fn, packed=packed)
+            losses.append(loss)
+    return losses
+
+
+def test_packed_rows_equal_conversations_alone():
+    """Three conversations packed into one row (one longer than the sliding window of 32): each
+    one's per-token losses after 1, 2, 3 passes equal the conversation run alone as a plain
+    sequence (megatron's causal/window masks, the pretraining fusion with prefix = its prompt)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(41, 9), (20, 6), (23, 11)]  # (tokens, prompt tokens): 40 + 19 + 22 = 81 positions
+    conversations = [_conversation(g, n, p) for n, p in shapes]
+    dataset = sft.SFTDataset(conversations, seq_length=96, seed=0, pad=0)
+    assert len(dataset) == 1
+    row = dataset.row(dataset.rows[0])
+    as_batch = {k: torch.as_tensor(v).unsqueeze(0) for k, v in row.items()}
+    packed = fbt.PackedRows(as_batch["segments"], as_batch["plain"])
+    model = build(seq_length=96).eval()
+    got = _pass_losses(model, as_batch["tokens"], as_batch["labels"],
+                       fbt.default_feedback(model, as_batch["tokens"], [0], packed), packed)
+
+    # no state crosses a boundary: each conversation's first position (and its prompt) stays plain
+    feedback = fbt.default_feedback(model, as_batch["tokens"], [0], packed)(torch.zeros(96, 1, 64), 2)
+    starts = packed.starts[0].nonzero().flatten().tolist()
+    assert len(starts) == 4 and not feedback.fuse_mask[starts, 0].any()  # 3 conversations + the padding
+    assert not (feedback.fuse_mask[:, 0] & as_batch["plain"][0]).any()
+    model.train()  # the random prefix mixin (training) also never fuses a conversation's first position
+    random = fbt.PackedRows(as_batch["segments"], as_batch["plain"], prompt_prefix=False)
+    assert not fbt.default_feedback(model, as_batch["tokens"], [0], random)(torch.zeros(96, 1, 64), 2).fuse_mask[starts, 0].any()
+    model.eval()
+
+    worst = 0.0
+    for member, start in zip(dataset.rows[0], starts):
+        c = conversations[member]
+        n, prompt = len(c.ids) - 1, int((~c.assistant).sum())
+        tokens, labels = torch.as_tensor(c.ids[:-1]).unsqueeze(0), torch.as_tensor(c.ids[1:]).unsqueeze(0)
+        plain_prefix = lambda state, j: fbt.Feedback(state, fbt.fuse_mask(torch.tensor([prompt]), n, state.device))  # noqa: E731
+        alone = _pass_losses(model, tokens, labels, plain_prefix)
+        for j, (a, b) in enumerate(zip(got, alone), 1):
+            torch.testing.assert_close(a[0, start:start + n], b[0], rtol=0, atol=2e-5, msg=f"pass {j}, conversation {member}")
+            worst = max(worst, (a[0, start:start + n] - b[0]).abs().max().item())
+    print(f"packed vs alone, passes 1-3: max |Δ loss| = {worst:.2e} (RoPE positions not reset)")
+
+    # negative control: without the conversations' attention mask the later conversations change
+    unmasked = _pass_losses(model, as_batch["tokens"], as_batch["labels"],
+                            fbt.default_feedback(model, as_batch["tokens"], [0], packed), None)
+    second = slice(starts[1], starts[2])
+    assert (unmasked[0][0, second] - got[0][0, second]).abs().max() > 1e-3
+
+
+BAD = {
+    "invalid JSON": '{"messages": [',
+    "no messages": '{"turns": []}',
+    "missing role": '{"messages": [{"content": "hi"}, {"role": "assistant", "content": "hello"}]}',
+    "unknown role": '{"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "hello"}]}',
+    "empty content": '{"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "hello"}]}',
+    "no assistant turn": '{"messages": [{"role": "user", "content": "hi"}]}',
+    "longer than the sequence": json.dumps({"messages": [{"role": "user", "content": "hi " * 200},
+                                                         {"role": "assistant", "content": "hello"}]}),
+}
+GOOD = json.dumps({"messages": CONVERSATION[1:3]})
+
+
+def test_bad_records_name_file_and_line_or_are_skipped_and_counted(encoder, tmp_path, capsys):
+    for kind, line in BAD.items():
+        path = tmp_path / f"{kind.replace(' ', '_')}.jsonl"
+        path.write_text(f"{GOOD}\n\n{line}\n{GOOD}\n")
+        with pytest.raises(ValueError) as e:
+            sft.read_conversations(str(path), encoder, 64, skip_bad=False)
+        assert str(e.value).startswith(f"{path}:3: ") and "--sft-skip-bad-records" in str(e.value), (kind, e.value)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join([GOOD, *BAD.values(), BAD["empty content"], GOOD]) + "\n")
+    kept = sft.read_conversations(str(mixed), encoder, 64, skip_bad=True)
+    assert len(kept) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"sft: skipped 8 bad records of {mixed} (2 empty content, 1 invalid JSON, 1 longer than the sequence, "
+                   "1 missing role, 1 no assistant turn, 1 no messages, 1 unknown role)"]
+
+
+@pytest.mark.slow
+def test_sft_run_through_the_entry_point(small_corpus, tmp_path):
+    """The tiny SFT set prepared from the corpus's source modules, 4 steps of 3 passes, validated
+    after 0-3 fused passes; a bad record stops a run with one line and exit code 2, writing nothing."""
+    data, run = tmp_path / "sft_set", tmp_path / "run"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(f"{GOOD}\n{BAD['empty content']}\n")
+    common = ["--recipe", ROOT / "recipes" / "sft_tiny_cpu.yaml", "--threads", "1", "--pretrained-checkpoint", "null",
+              "--load", "null", "--tokenizer-model", small_corpus.tokenizer_path, "--micro-batch-size", "2",
+              "--global-batch-size", "4", "--train-iters", "4", "--eval-interval", "4", "--eval-iters", "1",
+              "--log-interval", "1", "--lr-warmup-iters", "1"]
+    codes = run_commands("fbt_megatron.train", [
+        ([*common, "--data-path", data, "--corpus", f"sft:{small_corpus.source}", "--save", run], tmp_path / "ok.log", None),
+        ([*common, "--data-path", "null", "--train-data-path", f"[{bad}]", "--save", tmp_path / "bad"],
+         tmp_path / "bad.out", tmp_path / "bad.err"),
+    ])
+    assert codes == [0, 2], (tmp_path / "ok.log").read_text()[-3000:]
+    log = (tmp_path / "ok.log").read_text()
+    assert "SFT:" in log and "the chat template of" in log
+    manifest = json.loads((data / "sft.json").read_text())
+    assert manifest["conversations"]["train"] > 20 and (data / "tokenizer_config.json").is_file()
+    records = read_metrics(run)
+    assert [r["k"] for r in records] == [3, 3, 3, 3]
+    assert all(np.isfinite(r["valid_loss_fused3"]) for r in records[-1:])
+    assert (tmp_path / "bad.err").read_text().strip().splitlines() == [
+        f"error: {bad}:2: message 1 (user) has empty or missing content; {sft.SKIP_HINT}"]
+    assert not (tmp_path / "bad").exists()
