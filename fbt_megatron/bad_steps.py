@@ -6,7 +6,8 @@ finite skips the update, as Megatron-LM skips a step whose fp16 gradients overfl
 rate scheduler is then not advanced either (the caller's part), while the data and the iteration
 move on. The norm is the one megatron-core computes for clipping anyway: all-reduced over the
 ranks that hold parts of the gradient (every rank then has the same value on the host), so the
-check costs no extra communication and no extra host sync, and every rank skips the same steps. A
+check costs no extra communication and no extra host sync (with ``--clip-grad 0`` megatron-core
+would not compute the norm: then it is computed for this check), and every rank skips the same steps. A
 NaN or Inf loss reaches it too: the backward of a non-finite loss makes the gradient non-finite.
 
 ``--inject-nan`` is a testing aid in the spirit of Megatron-LM's ``--error-injection-rate``:

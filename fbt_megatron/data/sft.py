@@ -9,9 +9,8 @@ Nothing is written while reading.
 
 **Chat template** (stored with the tokenizer): a Jinja template in Hugging Face's form, the
 ``chat_template`` of a ``tokenizer_config.json`` beside the tokenizer file (a user's tokenizer folder
-brings its own), else ``DEFAULT_CHAT_TEMPLATE``. It is rendered as ``apply_chat_template`` does: jinja2's
-immutable sandbox with ``trim_blocks``, ``lstrip_blocks``, loop controls and ``raise_exception``; the
-variables ``messages``, ``add_generation_prompt``, ``eos_token`` (the tokenizer's end of document,
+brings its own), else ``DEFAULT_CHAT_TEMPLATE``. It is rendered by transformers' own
+``render_jinja_template`` (``apply_chat_template``'s: jinja2's immutable sandbox); the variables ``messages``, ``add_generation_prompt``, ``eos_token`` (the tokenizer's end of document,
 which ends an assistant turn) and ``bos_token``. A prepared SFT set stores its tokenizer with a
 ``tokenizer_config.json`` holding the template.
 
@@ -70,9 +69,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from fbt_megatron.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -134,29 +131,30 @@ class BadRecord(Exception):
         self.kind = kind
 
 
-def _raise_exception(message):
-    raise TemplateError(message)
-
 
 class ChatEncoder:
-    """Conversations → (token ids, is-assistant per token) with a chat template (module docstring)."""
+    """Conversations → (token ids, is-assistant per token) with a chat template (module docstring),
+    rendered by transformers' ``render_jinja_template`` (what ``apply_chat_template`` runs)."""
 
     def __init__(self, tokenizer: Tokenizer, template: str, source: str):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.globals["raise_exception"] = _raise_exception
-        try:
-            self.template = env.from_string(template)
-        except TemplateError as e:
-            raise ValueError(f"{source} is not a valid Jinja template ({e})") from None
-        self.tokenizer, self.source = tokenizer, source
+        self.tokenizer, self.template, self.source = tokenizer, template, source
         self.eos = _piece(tokenizer, tokenizer.eod)
+        try:
+            self.render([])
+        except TemplateSyntaxError as e:
+            raise ValueError(f"{source} is not a valid Jinja template ({e})") from None
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template  # only SFT runs pay its import
+
         try:
-            return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                        eos_token=self.eos, bos_token="")
+            [text], _ = render_jinja_template(conversations=[list(messages)], chat_template=self.template,
+                                              add_generation_prompt=add_generation_prompt, eos_token=self.eos, bos_token="")
+        except TemplateSyntaxError:
+            raise
         except TemplateError as e:
             raise BadRecord("refused by the chat template", f"the chat template refuses it ({e})") from None
+        return text
 
     def tokens(self, text: str) -> List[int]:
         """``text`` tokenised, each ``eos_token`` in it the EOD id."""
