@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import itertools
 import re
@@ -126,7 +127,7 @@ def _classify(where: str, line: str) -> Optional[Command]:
     world = int(env.get("WORLD_SIZE", 1))
     if head in ("python", "python3") and rest[:1] == ["-m"] and len(rest) > 1:
         return Command(where, line, "module", rest[1], rest[2:], world)
-    if head in ("python", "python3") and rest and rest[0].endswith(".py"):
+    if head in ("python", "python3") and rest and (rest[0].endswith(".py") or (ROOT / rest[0] / "__main__.py").is_file()):
         return Command(where, line, "tool", rest[0], rest[1:], world)
     if head == "torchrun":
         from torch.distributed.run import get_args_parser
@@ -181,8 +182,8 @@ class Parsed(Exception):
     has read its command line and done nothing else."""
 
 
-def run_until_parsed(run: Callable[[], object], prog: str, args: List[str], patch: pytest.MonkeyPatch) -> None:
-    """Run an entry point (as ``__main__``, with ``sys.argv``) until its parser has parsed."""
+def run_until_parsed(run: Callable[[], object], prog: str, args: List[str], patch: pytest.MonkeyPatch):
+    """Run an entry point (as ``__main__``, with ``sys.argv``) until its parser has parsed; the namespace."""
     parse_args = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -192,8 +193,9 @@ def run_until_parsed(run: Callable[[], object], prog: str, args: List[str], patc
     patch.setattr(sys, "argv", [prog, *args])
     try:
         run()
-    except Parsed:
-        return
+    except Parsed as parsed:
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+        return parsed.args[0]
     raise AssertionError("the entry point returned without parsing a command line")
 
 
@@ -256,26 +258,42 @@ def check_evaluation(command: Command, patch) -> None:
 
 
 def check_lm_eval(command: Command, patch) -> None:
-    """lm-eval's own command line; ``--model`` must be registered (``fbt`` is, by this project)."""
-    from lm_eval._cli import HarnessCLI
+    """lm-eval's own command line (its console script's function); ``--model`` must be registered
+    (``fbt`` is, by this project)."""
+    import lm_eval.__main__
     from lm_eval.api.registry import get_model
 
     import fbt_megatron.evaluation.lm  # noqa: F401  (registers --model fbt)
 
-    patch.setattr(sys, "argv", ["lm-eval", *command.args])
-    options = HarnessCLI().parse_args()
-    get_model(options.model)
+    patch.setattr(lm_eval.__main__, "setup_logging", lambda *args, **kwargs: None)  # no handler on our stderr
+    options = run_until_parsed(lm_eval.__main__.cli_evaluate, "lm-eval", command.args, patch)
+    if getattr(options, "model", None):
+        get_model(options.model)
+
+
+def stops_at_parse_args(source: Path, name: str) -> None:
+    """An entry point run until ``parse_args`` must call it itself (else it would run for real)."""
+    assert "parse_args(" in source.read_text(), (
+        f"{name} does not call ArgumentParser.parse_args in {source.name}: give it a parse-only check in "
+        f"tests/test_docs.py (MODULES)")
 
 
 def check_module(command: Command, patch) -> None:
     """Any other entry point: run as ``python -m`` until its parser has parsed."""
+    spec = importlib.util.find_spec(command.target)
+    assert spec is not None, f"no module {command.target}"
+    if spec.submodule_search_locations:  # a package: its __main__
+        spec = importlib.util.find_spec(command.target + ".__main__")
+        assert spec is not None, f"{command.target} is a package without __main__"
+    stops_at_parse_args(Path(spec.origin), command.target)
     run_until_parsed(lambda: runpy.run_module(command.target, run_name="__main__"),
                      f"python -m {command.target}", command.args, patch)
 
 
 def check_tool(command: Command, patch) -> None:
-    script = ROOT / command.target
-    assert script.is_file(), f"{command.target} does not exist"
+    script = ROOT / command.target  # a file, or a folder with a __main__.py
+    assert script.exists(), f"{command.target} does not exist"
+    stops_at_parse_args(script / "__main__.py" if script.is_dir() else script, command.target)
     run_until_parsed(lambda: runpy.run_path(str(script), run_name="__main__"), command.target, command.args, patch)
 
 
@@ -316,7 +334,7 @@ def check(command: Command, patch: pytest.MonkeyPatch) -> None:
 
         get_args_parser().parse_args([*command.launcher, "-m", command.target])
     if command.program == "module":
-        assert command.target.startswith("fbt_megatron"), f"not this project's module: {command.target}"
+        assert command.target.split(".")[0] in ("fbt_megatron", "tools"), f"not this project's module: {command.target}"
         MODULES.get(command.target, check_module)(command, patch)
     else:
         {"tool": check_tool, "script": check_script, "lm-eval": check_lm_eval, "make": check_make}[command.program](command, patch)
