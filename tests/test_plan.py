@@ -20,7 +20,7 @@ from fbt_megatron.plan.__main__ import main as plan_main
 from fbt_megatron.plan.flops import flops_per_token
 from fbt_megatron.plan.gpus import GPUS
 from fbt_megatron.plan.planner import batch_fit, vocab_size
-from fbt_megatron.recipe import Recipe, load_recipe
+from fbt_megatron.recipe import Recipe, RecipeError, load_recipe
 from test_param_count import backbone_formula
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +92,9 @@ def test_a_global_batch_that_does_not_divide_names_the_nearest_that_do(capsys):
     with pytest.raises(SystemExit) as exit:
         run_cli(lambda: plan_main(argv))
     assert exit.value.code == 2 and capsys.readouterr().err == f"error: {PAPER_ON_8X8}\n"
+    with pytest.raises(RecipeError) as refused:  # train --dry-run's line: the same, without the planner's flag
+        make_plan(load_recipe(argv[1]), 64, GPUS["h100"])
+    assert str(refused.value) == PAPER_ON_8X8.removesuffix(" (--fit-global-batch applies the nearest)")
     assert plan_main([*argv, "--fit-global-batch"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("--fit-global-batch: global batch 36 → 32 sequences (DP 32 on 64 GPUs), --train-iters 339085 → "

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from fbt_megatron.metrics import read_metrics
-from fbt_megatron.plan import make_plan
-from fbt_megatron.plan.gpus import GPUS
-from fbt_megatron.recipe import RecipeError, load_recipe
+from fbt_megatron.plan.planner import batch_fit
+from fbt_megatron.recipe import load_recipe
 from forked import run_commands
 from slurm_cluster import LocalSlurm, missing_binaries
 from test_train import SMALL, train_many
@@ -104,10 +103,8 @@ BAD = {  # the one line a mistake gets: (the line contains, the command after "s
 
 
 def planner_refusal(name: str, world_size: int) -> str:
-    """The planner's own line for a recipe on a world (fbt_megatron.plan, in this process)."""
-    with pytest.raises(RecipeError) as refused:
-        make_plan(load_recipe(str(ROOT / "recipes" / f"{name}.yaml")), world_size, GPUS["h100"])
-    return str(refused.value)
+    """The planner's own line for a recipe's global batch on a world (python -m fbt_megatron.plan's)."""
+    return batch_fit(load_recipe(str(ROOT / "recipes" / f"{name}.yaml")), world_size).problem()
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +140,10 @@ def dry_runs(tmp_path_factory):
         "missing data": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--dry-run",
                          "--", "--train-data-path", f"[{tmp / 'missing'}]", "--tokenizer-model", str(data["tokenizer"])],
         "paper chain": chain,
+        "memory": ["submit", "--recipe", str(ROOT / "recipes" / "fbt_1b_100b.yaml"), "--nodes", "1", "--gpus-per-node", "4",
+                   "--gpu-memory-gb", "24", "--time", "04:00:00", "--container-image", IMAGE, "--dry-run", "--",
+                   "--tensor-model-parallel-size", "1", "--sequence-parallel", "false", "--train-data-path", f"[{data['web']}]",
+                   "--tokenizer-model", str(data["tokenizer"])],
         "suggested": [*chain, *(a for name, flags in suggested.items() for a in ("--stage-args", f"{name}={flags}")), *data_args],
         "fitted": [*chain, "--fit-global-batch", *data_args],
         "serve": ["serve", str(data["export"]), "--time", "08:00:00", "--partition", "gpu", "--container-image", IMAGE,
@@ -229,6 +230,10 @@ def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_th
     expected.append(f"error: nothing submitted: {len(expected)} problems (the lines above); the flags of one stage of a chain: "
                     "--stage-args STAGE='FLAGS'")
     assert code == 2 and output.splitlines() == expected, output
+
+    code, output = cases["memory"]  # a layout that does not fit 24 GiB GPUs: the planner's line
+    assert code == 2 and output.startswith("error: fbt_1b_100b: does not fit: ") and "activations alone" in output, output
+    assert output.splitlines()[1:] == ["error: nothing submitted: 1 problem (the lines above)"], output
 
     plans = {}
     for case in ("suggested", "fitted"):

@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     quiet_library_warnings()
     args, recipe = parse(argv)
     world_size = args.nodes * args.gpus_per_node
-    fit = batch_fit(recipe, world_size) if args.fit_global_batch else None
+    fit = batch_fit(recipe, world_size)
+    if fit is not None and not args.fit_global_batch:
+        raise RecipeError(fit.problem())
     if fit is not None:
         print(fit.apply())
     plan = make_plan(recipe, world_size, GPUS.get(args.gpu), args.gpu_memory_gb, args.mfu)

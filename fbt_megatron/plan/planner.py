@@ -158,7 +158,7 @@ def make_plan(recipe: Recipe, world_size: int, gpu: Optional[GPU] = None, gpu_me
         raise RecipeError(f"--mfu must be in (0, 1], got {mfu}")
     fit = batch_fit(recipe, world_size)
     if fit is not None:
-        raise RecipeError(fit.problem())
+        raise RecipeError(fit.problem(fit_flag=False))  # (train --dry-run has no --fit-global-batch)
     recipe.validate(world_size, this_machine=False)  # a plan for GPUs: CP's Transformer Engine is theirs
     t, p, o = recipe.training, recipe.parallel, recipe.optimizer
     config = model_config(recipe, vocab_size(recipe))
@@ -226,8 +226,9 @@ class BatchFit:
     def flags(option: Tuple[int, int]) -> str:
         return f"--global-batch-size {option[0]} --train-iters {option[1]}"
 
-    def problem(self) -> str:
-        """The refusal: what does not divide, the nearest batches that do with their --train-iters."""
+    def problem(self, fit_flag: bool = True) -> str:
+        """The refusal: what does not divide, the nearest batches that do with their --train-iters
+        (``fit_flag``: and that --fit-global-batch, a flag of the planner and of Slurm's submit, applies one)."""
         t, pp = self.recipe.training, self.recipe.parallel.pipeline_model_parallel_size
         if t.global_batch_size % (t.micro_batch_size * self.dp):
             what = (f"training.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size "
@@ -239,8 +240,8 @@ class BatchFit:
                     f"pipeline_model_parallel_size {pp}")
         options = " or ".join(self.flags(o) for o in self.options)
         return (f"{what} on {self.world_size} GPUs; the nearest that fit, with the --train-iters that keep the run's "
-                f"{_count(t.train_iters * t.global_batch_size * self.recipe.data.seq_length)} tokens: {options} "
-                f"(--fit-global-batch applies the nearest)")
+                f"{_count(t.train_iters * t.global_batch_size * self.recipe.data.seq_length)} tokens: {options}"
+                + (" (--fit-global-batch applies the nearest)" if fit_flag else ""))
 
     def apply(self) -> str:
         """Set the recipe's global batch and train_iters to the nearest option; the note saying so."""

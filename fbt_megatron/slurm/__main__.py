@@ -52,7 +52,7 @@ def _job_options() -> argparse.ArgumentParser:
     p.add_argument("--container-mounts", action="append", default=[], metavar="SRC:DST[:FLAGS]",
                    help="also mount this in the container (repeatable; the work folder is always mounted)")
     p.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
-                   help="an extra #SBATCH line, e.g. --sbatch-option=--qos=high (repeatable; after ours, so it wins)")
+                   help="an extra #SBATCH line, e.g. --sbatch-option=--qos=high (repeatable; written after ours)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="export this in the job, after the NCCL defaults (repeatable), e.g. --env NCCL_SOCKET_IFNAME=ib0")
     p.add_argument("--cpus-per-task", type=int, metavar="N",

@@ -14,7 +14,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from fbt_megatron.checkpointing import latest_iteration
 from fbt_megatron.recipe import Recipe, RecipeError
@@ -34,22 +34,32 @@ def is_placeholder(path: str) -> bool:
     return bool(PLACEHOLDER.search(path))
 
 
-def _missing(key: str, path: str, files: List[str], what: str) -> Optional[str]:
+def _missing(key: str, path: str, files: List[str], what: str, prepared: Sequence[Path] = ()) -> Optional[str]:
     """The problem with a path a job reads (None: its files exist, seen from the work folder where
-    the job runs); ``key``: a recipe field (its flag is the fix) or a command-line argument."""
+    the job runs, or lie in a folder that an earlier stage ``prepared``); ``key``: a recipe field
+    (its flag is the fix) or a command-line argument."""
     fix = f" (--{key.split('.')[-1].replace('_', '-')})" if "." in key else ""
     if is_placeholder(path):
         return f"{key} {path} is a placeholder: give {what}{fix}"
-    absent = [f for f in files if not Path(f).exists()]
+    absent = [f for f in files if not Path(f).exists() and not any(Path(f).resolve().is_relative_to(p) for p in prepared)]
     if absent:
         return f"{key} {path}: {' and '.join(absent)} not found (expected: {what}; relative paths start at {Path.cwd()})"
     return None
 
 
-def data_problems(recipe: Recipe) -> List[str]:
-    """The data and tokenizer files the training reads, each present or a problem line: a blend's
-    .bin/.idx prefixes or SFT chat .jsonl files, the tokenizer; a prepared corpus folder, or the
-    source it is prepared from on first use."""
+def prepared_folder(recipe: Recipe) -> Optional[Path]:
+    """The corpus folder the training prepares from ``data.corpus`` on first use (None: it reads
+    existing files): what it holds (e.g. the tokenizer) is there for the stages after it."""
+    d = recipe.data
+    if d.train_data_path is None and d.data_path is not None and d.corpus is not None and not Path(d.data_path).exists():
+        return Path(d.data_path).resolve()
+    return None
+
+
+def data_problems(recipe: Recipe, prepared: Sequence[Path] = ()) -> List[str]:
+    """The data and tokenizer files the training reads, each present (or in a folder ``prepared``
+    by an earlier stage) or a problem line: a blend's .bin/.idx prefixes or SFT chat .jsonl files,
+    the tokenizer; a prepared corpus folder, or the source it is prepared from on first use."""
     d, found = recipe.data, []
     if d.train_data_path is not None:
         for key in ("train_data_path", "valid_data_path"):
@@ -58,15 +68,18 @@ def data_problems(recipe: Recipe) -> List[str]:
                     continue  # a blend weight
                 path = str(item)
                 files = [path] if d.sft else [path + ".bin", path + ".idx"]
-                found.append(_missing(f"data.{key}", path, files, "chat .jsonl files" if d.sft else "a Megatron blend"))
-    elif d.corpus is None or Path(d.data_path).exists():
-        found.append(_missing("data.data_path", d.data_path, [d.data_path], "a prepared corpus folder"))
+                found.append(_missing(f"data.{key}", path, files, "chat .jsonl files" if d.sft else "a Megatron blend", prepared))
+    elif d.data_path is None:
+        pass  # neither: the recipe's own check says so
+    elif prepared_folder(recipe) is None:
+        found.append(_missing("data.data_path", d.data_path, [d.data_path], "a prepared corpus folder", prepared))
     else:  # prepared from data.corpus on first use: a file or folder, unless embedded or generated
         source = d.corpus[len("sft:"):] if d.corpus.startswith("sft:") else d.corpus
         if source != "stdlib" and not source.startswith("state_tracking:"):
-            found.append(_missing("data.corpus", source, [source], "the source the corpus is prepared from"))
+            found.append(_missing("data.corpus", source, [source], "the source the corpus is prepared from", prepared))
     if d.tokenizer_model is not None:
-        found.append(_missing("data.tokenizer_model", d.tokenizer_model, [d.tokenizer_model], "the tokenizer file"))
+        found.append(_missing("data.tokenizer_model", d.tokenizer_model, [d.tokenizer_model], "the tokenizer file",
+                              [*prepared, *filter(None, [prepared_folder(recipe)])]))
     return [problem for problem in found if problem]
 
 
@@ -90,39 +103,42 @@ def environment_problems(res: Resources, python: str, vllm: bool = False) -> Lis
 
 
 def plan_stage(stage: Stage, res: Resources, gpu=None, gpu_memory_gb: Optional[float] = None, fit: bool = False,
-               signal_seconds: int = 0, first: bool = True) -> Check:
+               signal_seconds: int = 0, first: bool = True, prepared: Sequence[Path] = ()) -> Check:
     """The problems of one stage on ``res`` (``first``: no stage before it provides its starting
-    weights) and the line of its plan. ``fit``: a global batch that does not divide is replaced by
+    weights; ``prepared``: corpus folders the stages before it prepare) and the line of its plan. ``fit``: a global batch that does not divide is replaced by
     the nearest that does (the stage's flags get --global-batch-size and --train-iters), with a note;
     otherwise it is a problem naming those flags, and the rest is planned as if they were given."""
     import copy
 
     from fbt_megatron.plan.planner import _count, batch_fit, gib, make_plan
 
-    check = Check()
+    problems = []
+    world, recipe = res.nodes * max(res.gpus_per_node, 1), stage.config
+    batch = batch_fit(recipe, world)
+    if batch is not None and fit:
+        notes = [batch.apply()]
+        stage.flags += batch.flags(batch.nearest).split()
+        stage.train_iters = recipe.training.train_iters
+    else:
+        notes = []
+        if batch is not None:
+            problems.append(batch.problem())
+            recipe = copy.deepcopy(recipe)
+            batch_fit(recipe, world).apply()  # plan the rest (memory) as with the suggested flags
+    try:
+        plan = make_plan(recipe, world, gpu, gpu_memory_gb, transformer_engine=res.gpus_per_node > 0)
+    except RecipeError as e:
+        problems.append(str(e))
+        plan = None
     if first and stage.pretrained is not None and latest_iteration(str(stage.save)) is None:
         problem = _missing("checkpoint.pretrained_checkpoint", str(stage.pretrained), [str(stage.pretrained)],
                            "the run whose weights start this stage")
         if problem is None and latest_iteration(str(stage.pretrained)) is None:
             problem = f"checkpoint.pretrained_checkpoint {stage.pretrained} holds no checkpoint to start from"
-        check.problems += [problem] if problem else []
-    check.problems += data_problems(stage.config)
-    world = res.nodes * max(res.gpus_per_node, 1)
-    recipe = stage.config
-    batch = batch_fit(recipe, world)
-    if batch is not None and fit:
-        check.notes.append(batch.apply())
-        stage.flags += batch.flags(batch.nearest).split()
-        stage.train_iters = recipe.training.train_iters
-    elif batch is not None:
-        check.problems.insert(0, batch.problem())
-        recipe = copy.deepcopy(recipe)
-        batch_fit(recipe, world).apply()  # plan the rest (memory) as with the suggested flags
-    try:
-        plan = make_plan(recipe, world, gpu, gpu_memory_gb, transformer_engine=res.gpus_per_node > 0)
-    except RecipeError as e:
-        check.problems.insert(0, str(e))
-        return check
+        problems += [problem] if problem else []
+    problems += data_problems(stage.config, prepared)
+    if plan is None:
+        return Check(problems, notes)
     lay, t = plan.layout, recipe.training
     unit, units = ("GPU", "GPUs") if res.gpus_per_node else ("process", "processes")
     line = (f"plan: {world} {units} as TP {lay.tp} × PP {lay.pp} × CP {lay.cp} × DP {lay.dp}; "
@@ -136,16 +152,16 @@ def plan_stage(stage: Stage, res: Resources, gpu=None, gpu_memory_gb: Optional[f
         hours = plan.train_seconds / 3600
         jobs = math.ceil(plan.train_seconds / max(parse_time(res.time) - signal_seconds, 60))
         line += f"; {hours:,.1f} h at {plan.mfu:.0%} MFU: about {jobs} job{'s' if jobs > 1 else ''} of {res.time}"
-    check.notes.append(line)
-    return check
+    return Check(problems, notes + [line])
 
 
 def plan_stages(stages: List[Stage], res: Resources, gpu=None, gpu_memory_gb: Optional[float] = None, fit: bool = False,
                 signal_seconds: int = 0) -> Check:
     """Every stage's problems and notes, each line prefixed with its stage's name."""
-    out = Check()
+    out, prepared = Check(), []
     for i, stage in enumerate(stages):
-        check = plan_stage(stage, res, gpu, gpu_memory_gb, fit, signal_seconds, first=i == 0)
+        check = plan_stage(stage, res, gpu, gpu_memory_gb, fit, signal_seconds, first=i == 0, prepared=prepared)
+        prepared += filter(None, [prepared_folder(stage.config)])
         out.problems += [f"{stage.name}: {p}" for p in check.problems]
         out.notes += [f"{stage.name}: {n}" for n in check.notes]
     return out

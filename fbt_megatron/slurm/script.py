@@ -47,7 +47,7 @@ class Resources:
     container_image: Optional[str] = None
     log_dir: Path = Path("logs")
     container_mounts: List[str] = field(default_factory=list)  # SRC:DST[:FLAGS] beyond the work folder
-    sbatch_lines: List[str] = field(default_factory=list)  # extra #SBATCH options, after (and winning over) ours
+    sbatch_lines: List[str] = field(default_factory=list)  # extra #SBATCH options, written after ours
     environment: Dict[str, str] = field(default_factory=dict)  # exported in the job after the defaults
     cpus_per_task: Optional[int] = None  # None: training jobs take whole nodes (--exclusive)
     exclusive: bool = True
