@@ -112,9 +112,8 @@ def measure(args) -> dict:
 
 def format_report(results: dict) -> str:
     s = results["settings"]
-    title = (f"FBT decode benchmark ({s['preset']}, {s['parameters']:,} parameters, fp32): {s['num_layers']} layers, "
-             f"hidden {s['hidden_size']}, vocab {s['vocab_size']}; batch 1, a {s['prompt_length']}-token prompt, "
-             f"{s['new_tokens']} tokens")
+    title = (f"FBT decode benchmark ({s['parameters']:,} parameters, fp32): batch 1, a {s['prompt_length']}-token "
+             f"prompt, {s['new_tokens']} tokens")
     names = {"standard": "megatron-core, Standard", "soft": "megatron-core, Soft",
              **{f"fused{n}": f"megatron-core, Fused({n})" for n in FUSED_PREFILL},
              "hf_fbt": "HF export, Standard", "hf_llama": "transformers Llama, same shape"}

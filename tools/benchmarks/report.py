@@ -8,12 +8,13 @@ from typing import List, Sequence, Tuple
 
 def format_report(results: dict, title: str, columns: Sequence[Tuple[str, int]], rows: Sequence[Sequence[str]],
                   notes: Sequence[str] = ()) -> str:
-    """``title`` (what was measured, one line), how (threads, repeats, load), a table of ``columns`` ((heading,
-    width): the first left-aligned, the others right-aligned) and ``rows``, the ratio table of
-    ``results["ratios"]``, ``notes`` and the load warning."""
+    """``title`` (what was measured, one line), the model (when the settings name one), how (threads,
+    repeats, load), a table of ``columns`` ((heading, width): the first left-aligned, the others
+    right-aligned) and ``rows``, the ratio table of ``results["ratios"]``, ``notes``, the load warning."""
     s = results["settings"]
     lines = [
         title,
+        *_model(s),
         f"{s['threads']} threads; medians of {s['repeats']} interleaved repeats after {s['warmup']} warm-up rounds; "
         f"system load average {s['load_average'][0]:.1f} before, {s['load_average'][1]:.1f} after, on {s['cpus']} CPUs",
         "",
@@ -25,6 +26,14 @@ def format_report(results: dict, title: str, columns: Sequence[Tuple[str, int]],
     if notes:
         lines += ["", *notes]
     return "\n".join(lines + load_warning(results))
+
+
+def _model(s: dict) -> List[str]:
+    if "preset" not in s:
+        return []
+    return [f"model {s['preset']}: {s['num_layers']} layers, hidden {s['hidden_size']}, FFN {s['ffn_hidden_size']}, "
+            f"{s['num_attention_heads']} heads ({s['num_query_groups']} KV groups) × {s['kv_channels']}, "
+            f"vocab {s['vocab_size']}, seq {s['seq_length']}"]
 
 
 def _row(cells: Sequence[str], columns: Sequence[Tuple[str, int]]) -> str:
