@@ -9,7 +9,7 @@ non-empty folder or a file there is never touched: the rename refuses it (``Fold
 when another process finished the same folder first.
 
 ``check_new_folder(path, flag)`` is the same rule as a command's early check of its output flag: one
-line and nothing written when ``path`` can not become the new folder.
+line and nothing written when ``path`` cannot become the new folder.
 """
 
 from __future__ import annotations
