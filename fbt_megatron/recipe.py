@@ -58,7 +58,7 @@ class DataSection:
     sft: bool = False
     """Supervised fine-tuning on chat JSONL ({"messages": [{"role": ..., "content": ...}, ...]}):
     train_data_path / valid_data_path are .jsonl files (or data_path a prepared SFT set), tokenised
-    with the tokenizer's chat template and packed whole into rows (fbt_megatron/data/sft.py); each
+    with the tokenizer's chat template and packed whole into rows (fbt_megatron/data/sft/); each
     conversation attends only to itself; loss on assistant tokens only."""
     sft_skip_bad_records: bool = False
     """SFT: skip (and count) bad records instead of stopping at the first with its file and line."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmark import Batch, SavedActivations, storage_ptrs
+from benchmarks.measure import Batch, SavedActivations, storage_ptrs
 from fbt_megatron import fbt, train
 from fbt_megatron.cli import run_cli
 from fbt_megatron.metrics import tensorboard_scalars
