@@ -18,3 +18,10 @@ demo: setup
 
 test: setup
 	$(ACT) python -m pytest -q
+
+# ---- serving with vLLM (docs/serving.md): vLLM's CPU build in .venv, transformers within its range
+.PHONY: serve-setup
+serve-setup: $(VENV)/.serve-installed
+$(VENV)/.serve-installed: $(VENV)/.installed requirements-serve.txt
+	$(ACT) pip install -q -r requirements-serve.txt && pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
