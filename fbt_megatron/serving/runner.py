@@ -56,7 +56,7 @@ def install() -> None:
         state = _feedback(self)
         if state is not None:
             state.release(scheduler_output.finished_req_ids)
-            state.release(scheduler_output.preempted_req_ids or ())
+            state.release(scheduler_output.preempted_req_ids or (), preempted=True)
         return execute_model(self, scheduler_output, *args, **kwargs)
 
     @functools.wraps(model_forward)

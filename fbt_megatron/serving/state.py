@@ -73,15 +73,17 @@ class FeedbackState:
         self._free: List[int] = list(range(self.slots - 1, 0, -1))
         self._position = np.full(self.slots, -1, dtype=np.int64)  # the position each slot's state is of
         self.plan: Optional[StepPlan] = None
+        self.stats = {"steps": 0, "max_passes": 0, "preempted": 0}
 
     # ------------------------------------------------------------ slots
     @property
     def in_use(self) -> int:
         return len(self._owner)
 
-    def release(self, req_ids: Iterable[str]) -> None:
+    def release(self, req_ids: Iterable[str], preempted: bool = False) -> None:
         """Finished, aborted or preempted requests give their slots back."""
         for req_id in req_ids:
+            self.stats["preempted"] += int(preempted)
             slot = self._owner.pop(req_id, None)
             if slot is not None:
                 self._position[slot] = -1
@@ -148,6 +150,8 @@ class FeedbackState:
             index = torch.from_numpy(np.concatenate(fuse_index)).to(device)
             until = torch.from_numpy(np.concatenate(fuse_until)).to(device)
         self.plan = StepPlan(num_tokens, passes, bool(token_reads.any()), until, index, len(rows))
+        self.stats["steps"] += 1
+        self.stats["max_passes"] = max(self.stats["max_passes"], passes)
         return self.plan
 
     def write_back(self, top: torch.Tensor) -> None:
