@@ -147,9 +147,10 @@ def reference(exports):
 
 @pytest.fixture(scope="module")
 def llm(exports):
-    """The residual export: no chunked prefill, 4 sequences at a time, and a KV cache of 6 blocks of
-    32 tokens (a request grows to 52 tokens: running requests get preempted)."""
-    llm = engine(exports["residual"], block_size=32, num_gpu_blocks_override=6)
+    """The residual export: no chunked prefill, 4 sequences at a time, and a KV cache of 24 blocks of
+    32 tokens (room for 128 tokens of every layer; four requests growing to 52 tokens need 208: running
+    requests get preempted)."""
+    llm = engine(exports["residual"], block_size=32, num_gpu_blocks_override=24)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
