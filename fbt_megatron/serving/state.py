@@ -158,3 +158,10 @@ class FeedbackState:
         """After the step: every soft/fused row's last top state into its slot (others: scratch)."""
         rows = self.plan.write_rows
         self.buffer.index_copy_(0, self.row_slot[:rows], top[self.row_last[:rows]].to(self.buffer.dtype))
+
+
+def summary(model) -> dict:
+    """The state buffer of a served model at a glance, for ``LLM.apply_model(summary)``: slots in
+    use, the buffer's shape and address, and the step counters."""
+    s = model.feedback_state
+    return {"in_use": s.in_use, "shape": tuple(s.buffer.shape), "address": s.buffer.data_ptr(), **s.stats}
