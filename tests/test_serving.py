@@ -324,7 +324,7 @@ def test_openai_server_in_every_mode(exports, reference, tmp_path):
 def test_lm_eval_vllm_backend_equals_hf(exports, tmp_path):
     """lm-eval's ``fbt-vllm`` model on the local tasks' text: per item, standard equals the HF
     ``fbt`` model in standard (= lm-eval's ``hf``) within 1e-4; soft and fused(2) equal ``fbt`` in
-    those modes within 1e-4 or 4e-6 per continuation token (a sum of float32 log-probabilities fed
+    those modes within 1e-4 or 1e-5 per continuation token (a sum of float32 log-probabilities fed
     back through up to 42 steps); ``harness.ExportEvaluator(backend="vllm")`` evaluates the tasks."""
     from fbt_megatron.evaluation.harness import ExportEvaluator, table_row
     from fbt_megatron.evaluation.lm import FBTLM
@@ -350,7 +350,7 @@ def test_lm_eval_vllm_backend_equals_hf(exports, tmp_path):
               "continuation lengths:", [len(r[2]) for r in requests])
         assert all(x[1] == y[1] for x, y in zip(a, b)), mode
         for d, (_, _, continuation) in zip(diffs, requests):
-            assert d < (TOL if mode == "standard" else max(TOL, 4e-6 * len(continuation))), (mode, d, len(continuation))
+            assert d < (TOL if mode == "standard" else max(TOL, 1e-5 * len(continuation))), (mode, d, len(continuation))
     print(f"lm-eval vLLM vs HF, largest |Δ loglikelihood| per item: {worst}")
     evaluator = ExportEvaluator(export, lm=vl, backend="vllm")
     row = table_row(evaluator.evaluate("fused(2)", tasks, limit=4))
