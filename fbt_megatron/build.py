@@ -20,22 +20,17 @@ from fbt_megatron.parallel import data as parallel_data
 from fbt_megatron.parallel import pipeline
 from fbt_megatron.recipe import Recipe
 
+# the parallel layout: fields of the recipe's parallel section and of the model's config alike
+LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel", "context_parallel_size")
+
 
 def build_model(recipe: Recipe, vocab_size: int):
     """(config, model, ddp): this pipeline stage's FBTModel in megatron-core DDP (gradient buffers,
     reduction over data-parallel ranks)."""
     o, p = recipe.optimizer, recipe.parallel
     dtype = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
-    config = recipe_config(
-        recipe, vocab_size,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        sequence_parallel=p.sequence_parallel,
-        context_parallel_size=p.context_parallel_size,
-        bf16=o.bf16,
-        fp16=o.fp16,
-        params_dtype=dtype,
-    )
+    layout = {name: getattr(p, name) for name in LAYOUT}
+    config = recipe_config(recipe, vocab_size, **layout, bf16=o.bf16, fp16=o.fp16, params_dtype=dtype)
     spec = fbt_model_spec(config, local_attention=recipe.data.sft)  # packed SFT rows: an explicit attention mask
     model = FBTModel(config, spec, **pipeline.stage()).to(device=platform.device(), dtype=dtype)
     ddp = parallel_data.wrap(config, model, p.overlap_grad_reduce, optimizers.ddp_shards_gradients(recipe))
