@@ -174,8 +174,9 @@ def synthetic_run(folder: Path, tokenizer: str, iteration: int = 3, **model) -> 
     """A run folder holding random weights (norms too) of a tiny model with ``model`` overrides."""
     from fbt_megatron import checkpointing
     from fbt_megatron.recipe import recipe_from_dict
-    from fbt_megatron.runs import build_inference_model, model_config
-    from fbt_megatron.train import TrainState
+    from fbt_megatron.checkpointing import TrainState
+    from fbt_megatron.config import recipe_config as model_config
+    from fbt_megatron.runs import build_inference_model
 
     recipe = recipe_from_dict({"model": {"preset": "tiny", **model}, "training": {"seed": 5},
                                "data": {"data_path": None, "corpus": None, "tokenizer_model": tokenizer, "seq_length": 64}})
@@ -358,7 +359,8 @@ def test_training_at_tp2_starts_from_an_import(tmp_path, small_corpus):
     from fbt_megatron.fbt import masked_mean
     from fbt_megatron.metrics import read_metrics
     from fbt_megatron.runs import run_recipe
-    from fbt_megatron.train import build_data, microbatches
+    from fbt_megatron.data.build import build_data
+    from fbt_megatron.step import microbatches
 
     recipe, _ = run_recipe(str(tmp_path / "tuned"))
     model = load_run(str(run)).model

@@ -35,9 +35,10 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 LINKED = [ROOT / "recipes" / "README.md", ROOT / "slurm" / "README.md"]  # linked from the docs: links checked
 # Pages linked before their branch is merged (h-vllm, h-evidence): delete a name once its page exists.
-PENDING = {"docs/serving.md", "docs/evidence.md"}
+PENDING = {"docs/evidence.md"}
 # Flags of programs whose parser is not in this process (sbatch options quoted from the job script).
-FOREIGN_FLAGS = {"--requeue", "--open-mode", "--signal", "--dependency"}
+FOREIGN_FLAGS = {"--requeue", "--open-mode", "--signal", "--dependency",  # sbatch's
+                 "--no-enable-chunked-prefill", "--hf-overrides", "--enforce-eager"}  # vllm serve's
 MAX_README_LINES = 160
 
 
@@ -251,7 +252,10 @@ def check_task_evaluation(command: Command, patch) -> None:
 
 def check_evaluation(command: Command, patch) -> None:
     if command.args[:1] == ["lm-eval"]:
-        check_lm_eval(Command(command.where, command.line, "lm-eval", "lm-eval", command.args[1:]), patch)
+        from fbt_megatron.evaluation.__main__ import _backend
+
+        args, _ = _backend(command.args[1:])  # ``--backend vllm`` taken out, as the entry point does
+        check_lm_eval(Command(command.where, command.line, "lm-eval", "lm-eval", args), patch)
     else:
         run_until_parsed(lambda: runpy.run_module("fbt_megatron.evaluation", run_name="__main__"),
                          "python -m fbt_megatron.evaluation", command.args, patch)
@@ -267,6 +271,10 @@ def check_lm_eval(command: Command, patch) -> None:
 
     patch.setattr(lm_eval.__main__, "setup_logging", lambda *args, **kwargs: None)  # no handler on our stderr
     options = run_until_parsed(lm_eval.__main__.cli_evaluate, "lm-eval", command.args, patch)
+    if getattr(options, "model", None) == "fbt-vllm":  # registered with vLLM installed (.venv-serve)
+        if importlib.util.find_spec("vllm") is None:
+            return
+        import fbt_megatron.evaluation.vllm_lm  # noqa: F401
     if getattr(options, "model", None):
         get_model(options.model)
 

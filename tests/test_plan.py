@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.measure import Batch, SavedActivations, storage_ptrs
-from fbt_megatron import fbt, train
+from fbt_megatron import build, fbt, train
 from fbt_megatron.cli import run_cli
 from fbt_megatron.metrics import tensorboard_scalars
 from fbt_megatron.plan import format_plan, make_plan, memory
@@ -150,8 +150,8 @@ def test_memory_estimate_matches_a_real_cpu_step(passes, fields):
     recipe.data.seq_length, recipe.training.micro_batch_size, recipe.training.global_batch_size = 64, 4, 4
     recipe.passes.passes = passes
     vocab = vocab_size(recipe)
-    config, model, ddp = train.build_model(recipe, vocab)
-    optimizer, _ = train.build_optimizer(recipe, config, ddp)
+    config, model, ddp = build.build_model(recipe, vocab)
+    optimizer, _ = build.build_optimizer(recipe, config, ddp)
     batch = Batch.random(4, 64, vocab, seed=0)
     params = list(model.parameters())
     ddp.start_step(passes)

@@ -1,4 +1,4 @@
-"""The SFT stage (fbt_megatron/data/sft/, fbt.PackedRows): the loss mask token by token, packed
+"""The SFT stage (fbt_megatron/data/sft/, data/packed_rows.py): the loss mask token by token, packed
 rows against each conversation alone for every pass, bad records, and a run of the entry point."""
 
 import json
@@ -10,6 +10,7 @@ import torch
 
 from fbt_megatron import fbt
 from fbt_megatron.data.sft import chat, packing
+from fbt_megatron.data.packed_rows import PackedRows
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.metrics import read_metrics
 from forked import run_commands
@@ -87,7 +88,7 @@ def test_packed_rows_equal_conversations_alone():
     assert len(dataset) == 1
     row = dataset.row(dataset.rows[0])
     as_batch = {k: torch.as_tensor(v).unsqueeze(0) for k, v in row.items()}
-    packed = fbt.PackedRows(as_batch["segments"], as_batch["plain"])
+    packed = PackedRows(as_batch["segments"], as_batch["plain"])
     model = build(seq_length=96).eval()
     got = _pass_losses(model, as_batch["tokens"], as_batch["labels"],
                        fbt.default_feedback(model, as_batch["tokens"], [0], packed), packed)
@@ -98,7 +99,7 @@ def test_packed_rows_equal_conversations_alone():
     assert len(starts) == 4 and not feedback.fuse_mask[starts, 0].any()  # 3 conversations + the padding
     assert not (feedback.fuse_mask[:, 0] & as_batch["plain"][0]).any()
     model.train()  # the random prefix mixin (training) also never fuses a conversation's first position
-    random = fbt.PackedRows(as_batch["segments"], as_batch["plain"], prompt_prefix=False)
+    random = PackedRows(as_batch["segments"], as_batch["plain"], prompt_prefix=False)
     assert not fbt.default_feedback(model, as_batch["tokens"], [0], random)(torch.zeros(96, 1, 64), 2).fuse_mask[starts, 0].any()
     model.eval()
 

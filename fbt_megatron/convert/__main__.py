@@ -72,10 +72,6 @@ def main(argv=None) -> int:
             raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
         import_checkpoint(args.input, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           seed=args.seed, seq_length=args.seq_length)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 

@@ -188,9 +188,10 @@ def import_checkpoint(input: str, save: str, tensor_model_parallel_size: int = 1
     """Convert HF folder ``input`` to the new run folder ``save``; returns it. Raises ValueError
     (one line) for what cannot be imported, before anything is written."""
     from fbt_megatron import checkpointing, platform
+    from fbt_megatron.checkpointing import TrainState
+    from fbt_megatron.config import recipe_config
     from fbt_megatron.recipe import recipe_from_dict
-    from fbt_megatron.runs import build_inference_model, model_config
-    from fbt_megatron.train import TrainState
+    from fbt_megatron.runs import build_inference_model
 
     folder = Path(input)
     raw = read_config(folder)
@@ -225,7 +226,7 @@ def import_checkpoint(input: str, save: str, tensor_model_parallel_size: int = 1
     recipe = recipe_from_dict(import_recipe(h, final_tokenizer, seed, length))
 
     platform.init_distributed(1, 1, seed)  # seeds: a Llama import's fresh fusion weights are drawn from it
-    config = model_config(recipe, shape.vocab_size)
+    config = recipe_config(recipe, shape.vocab_size)
     model = build_inference_model(config)
     params = dict(model.named_parameters())
     if not fbt and params.keys() - weights.keys() - {n for n in params if n.startswith("feedback_fusion.")}:

@@ -10,7 +10,6 @@ final norm and (tied, PP > 1) a copy of the embedding for the logits.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -75,25 +74,22 @@ def _single_process_group():
 
 
 def model_config(recipe: Recipe, vocab_size: int):
-    """The FBTConfig the run builds (``train.build_model``'s fields), for TP = PP = 1 on the meta device."""
-    from fbt_megatron.config import make_config
+    """The FBTConfig the run builds (``config.recipe_config``), for TP = PP = 1 on the meta device."""
+    from fbt_megatron.config import recipe_config
 
     o = recipe.optimizer
-    return make_config(recipe.model.preset, **{
-        **recipe.model_overrides, "vocab_size": vocab_size, "seq_length": recipe.data.seq_length,
-        "bf16": o.bf16, "fp16": o.fp16, "use_cpu_initialization": True, "perform_initialization": False,
-    })
+    return recipe_config(recipe, vocab_size, bf16=o.bf16, fp16=o.fp16, use_cpu_initialization=True, perform_initialization=False)
 
 
 def vocab_size(recipe: Recipe) -> int:
     """The embedding's rows: the corpus tokenizer's size (``data.vocab_size``) when the recipe prepares
     its corpus, else the preset's (the user's tokenizer decides at run time), padded as the run pads."""
     from fbt_megatron.config import PRESETS
+    from fbt_megatron.data.tokenizer import padded_vocab_size
 
     d = recipe.data
     raw = d.vocab_size if d.train_data_path is None else PRESETS[recipe.model.preset]["vocab_size"]
-    multiple = d.make_vocab_size_divisible_by * recipe.parallel.tensor_model_parallel_size
-    return math.ceil(raw / multiple) * multiple
+    return padded_vocab_size(raw, recipe.parallel.tensor_model_parallel_size, d.make_vocab_size_divisible_by)
 
 
 def stages(model, recipe: Recipe) -> List[memory.Stage]:
@@ -152,7 +148,7 @@ def make_plan(recipe: Recipe, world_size: int, gpu: Optional[GPU] = None, gpu_me
     RecipeError when the layout does not fit the world or the memory. ``transformer_engine``: count
     the TE spec's activations (flash attention; default: on a GPU plan) or the local spec's (CPU)."""
     from fbt_megatron.model import FBTModel
-    from fbt_megatron.train import pass_schedule
+    from fbt_megatron.passes import pass_schedule
 
     if not 0 < mfu <= 1:
         raise RecipeError(f"--mfu must be in (0, 1], got {mfu}")

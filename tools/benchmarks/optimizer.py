@@ -27,14 +27,15 @@ RATIOS = [Ratio(f"optimizer_step_normuon_vs_adam_{name.split()[0]}", f"optimizer
 
 
 def optimizer_step(optimizer_name: str, shape: dict, seed: int) -> Callable[[], None]:
-    """One optimizer step of the training entry point's optimizer (``train.build_optimizer``, one
+    """One optimizer step of the training run's optimizer (``build.build_optimizer``, one
     process) on fixed random gradients, weights updated in place."""
-    from fbt_megatron import train
+    from fbt_megatron import flags
+    from fbt_megatron.build import build_model, build_optimizer
 
-    recipe = train.parse_args(["--optimizer", optimizer_name, "--lr", "0.01", "--adam-lr", "5e-4",
-                               *(f"--{k.replace('_', '-')}={v}" for k, v in shape.items())])
-    config, model, ddp = train.build_model(recipe, 2048)
-    optimizer, _ = train.build_optimizer(recipe, config, ddp)
+    recipe = flags.parse(["--optimizer", optimizer_name, "--lr", "0.01", "--adam-lr", "5e-4",
+                          *(f"--{k.replace('_', '-')}={v}" for k, v in shape.items())], prog="benchmark", description="")
+    config, model, ddp = build_model(recipe, 2048)
+    optimizer, _ = build_optimizer(recipe, config, ddp)
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.main_grad.copy_(torch.randn(p.shape, generator=generator))

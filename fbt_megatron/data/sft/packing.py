@@ -8,7 +8,7 @@ system and user turns, role headers and padding), ``segments`` (which conversati
 one of its own) and ``plain`` (the input token is not the assistant's). No label crosses a boundary:
 a conversation's last token is only a label.
 
-**Attention and positions** (``fbt.PackedRows``): each conversation attends only to itself through an
+**Attention and positions** (``data/packed_rows.PackedRows``): each conversation attends only to itself through an
 explicit mask (later position or other conversation → masked) with megatron-core's local attention;
 sliding-window layers keep their window (``layers.FBTDotProductAttention``). On GPUs the same mask
 works with the local spec; Transformer Engine's route would be megatron-core's packed-sequence path
