@@ -16,7 +16,7 @@ import torch
 
 from fbt_megatron.cli import run_cli
 from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, build_tasks, ensure_tasks
-from fbt_megatron.evaluation.modes import parse_mode
+from fbt_megatron.decode_modes import parse_mode
 from helpers import launch
 
 ROOT = Path(__file__).resolve().parent.parent

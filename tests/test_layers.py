@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).parent.parent / "fbt_megatron"
 
 LAYERS = [
     ("ground floor: errors, the platform, checkpoints, data, the sequence layout",
-     ["errors", "folders", "megatron_fixes", "platform", "cli", "stopping", "checkpointing", "data", "seeds", "sequence", "offload",
+     ["errors", "decode_modes", "folders", "megatron_fixes", "platform", "cli", "stopping", "checkpointing", "data", "seeds", "sequence", "offload",
       "layers"]),
     ("configuration: the model config, recipes and their flags, the pass schedule, the losses",
      ["config", "recipe", "flags", "passes", "losses"]),

@@ -158,7 +158,7 @@ def main(argv=None) -> int:
                         help="torch threads (default on CPU: 1, fastest for the tiny models' many small decoding steps)")
     args = parser.parse_args(argv)
 
-    from fbt_megatron.evaluation.modes import mode_label, parse_mode
+    from fbt_megatron.decode_modes import mode_label, parse_mode
 
     modes = [mode_label(*parse_mode(m)) for m in args.modes]  # an unknown mode stops here
     modes = list(dict.fromkeys(modes))

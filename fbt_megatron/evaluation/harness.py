@@ -85,7 +85,7 @@ class ExportEvaluator:
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
-        from fbt_megatron.evaluation.modes import parse_mode
+        from fbt_megatron.decode_modes import parse_mode
 
         decode_mode, passes = parse_mode(mode)
         if decode_mode != "standard" and not self.latent_feedback:

@@ -25,7 +25,7 @@ from collections import defaultdict
 from typing import List, Optional
 
 from fbt_megatron.evaluation.env import offline_environment
-from fbt_megatron.evaluation.modes import mode_label, parse_mode
+from fbt_megatron.decode_modes import mode_label, parse_mode
 
 offline_environment()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from fbt_megatron.evaluation.env import offline_environment
-from fbt_megatron.evaluation.modes import mode_label, parse_mode
+from fbt_megatron.decode_modes import mode_label, parse_mode
 
 offline_environment()
 

@@ -36,9 +36,10 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from fbt_megatron import decode_modes
 from fbt_megatron.fbt import Feedback, fuse_mask
 
-MODES = ("standard", "soft", "fused", "adaptive")
+MODES = (*decode_modes.MODES, "adaptive")
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from fbt_megatron.evaluation.modes import mode_label, parse_mode
+from fbt_megatron.decode_modes import mode_label, parse_mode
 from fbt_megatron.serving import engine
 
 KEYS = ("decode_mode", "fused_prefill_passes", "prompt_length")

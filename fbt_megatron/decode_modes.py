@@ -1,4 +1,5 @@
-"""FBT's decode modes as evaluation names them: standard, soft, fused(n)."""
+"""FBT's decode modes by name, as generation, evaluation and serving take them: standard, soft,
+fused(n)."""
 
 from __future__ import annotations
 
