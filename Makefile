@@ -18,3 +18,26 @@ demo: setup
 
 test: setup
 	$(ACT) python -m pytest -q
+
+# ---- Python 3.12 + the newest megatron-core (requirements-mcore-latest.txt; .ci/run's second
+# stage): the model, the training step, exact resume, the parallel layouts and the export, as on
+# megatron-core 0.16. Its own venv (about 5 GB: the registry's CUDA build of torch, run on CPU).
+PY312 ?= python3.12
+VENV312 := .venv-mcore-latest
+MCORE_LATEST_TESTS := tests/test_compat.py tests/test_platform.py tests/test_tokenizer.py \
+	tests/test_architecture.py tests/test_multipass.py \
+	tests/test_train.py::test_resumed_run_logs_the_same_losses_bitwise \
+	tests/test_parallel.py::test_reference_is_deterministic_and_not_vacuous \
+	tests/test_parallel.py::test_layout_equals_single_process \
+	tests/test_parallel.py::test_checkpoint_resumes_at_another_layout \
+	tests/test_convert.py::test_export_loads_offline_and_computes_megatrons_logits \
+	tests/test_convert.py::test_export_import_export_is_bit_exact
+
+$(VENV312)/.installed: requirements-mcore-latest.txt pyproject.toml
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip && $(VENV312)/bin/pip install -q -r requirements-mcore-latest.txt -e .
+	touch $@
+
+.PHONY: test-mcore-latest
+test-mcore-latest: $(VENV312)/.installed
+	$(VENV312)/bin/python -m pytest -q $(MCORE_LATEST_TESTS)

@@ -50,6 +50,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fbt_megatron import compat
+
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "files.json"
 _MANIFEST_FORMAT = "fbt-megatron checkpoint files"
@@ -474,6 +476,9 @@ def _reason(e: BaseException) -> str:
 
 
 def _common(path: Path) -> dict:
+    newer = compat.newer_checkpoint(path)
+    if newer:
+        raise CheckpointError(newer)
     try:
         with _weights_only_loading():
             return dist_checkpointing.load_common_state_dict(str(path))

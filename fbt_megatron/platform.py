@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from fbt_megatron import megatron_fixes, processes
+from fbt_megatron import compat, megatron_fixes, processes
 
 _installed = False
 
@@ -145,11 +145,12 @@ class _CpuRNGStatesTracker:
 
 def install() -> None:
     """Make megatron-core usable on this process's device. Idempotent; on GPU only the
-    process-lifetime rules and megatron-core's bug fixes apply."""
+    process-lifetime rules, the release differences and megatron-core's bug fixes apply."""
     global _installed
     if _installed:
         return
     processes.install()  # what this process starts dies with it
+    compat.apply()  # what differs between the megatron-core releases tested
     megatron_fixes.apply()  # bugs of megatron-core itself, on any device
     if on_gpu():
         _installed = True

@@ -6,8 +6,8 @@ and QUIT to its workers). ``--exit-duration-in-mins M`` raises the same flag onc
 passed since ``train()`` started. At the next step boundary every rank stops together: the run
 saves a checkpoint (with ``--save``) and exits 0 with one line naming the checkpoint; ``--load``
 resumes it exactly. A second Ctrl-C aborts at once (exit 130, nothing saved); so does a SIGTERM
-after a Ctrl-C, which is how torchrun passes a second Ctrl-C on (a second SIGTERM does not abort: Slurm
-and a forwarding torchrun may both send one).
+after a Ctrl-C, which is how torchrun passes a second Ctrl-C on (a second SIGTERM does not abort:
+Slurm and a forwarding torchrun may both send one).
 
 Ranks agree without a stall: each step starts an asynchronous MAX all-reduce of this rank's flags
 (the signal's number, overtime or not: two numbers over a gloo group, CPU tensors, no device
@@ -64,7 +64,7 @@ def _forked() -> None:
         signal.set_wakeup_fd(-1)
         for s in SIGNALS:
             signal.signal(s, signal.SIG_IGN)
-        for fd in _pipe:  # the run's receiver reads until every copy of the write end is closed
+        for fd in _pipe:
             os.close(fd)
         _pipe = None  # (the numbers are free for this process's own files)
 
@@ -96,12 +96,15 @@ class StopCheck:
             self.receiver.start()
 
     def _receive(self, read: int) -> None:
-        """Python's C-level handler writes each signal's number to the wakeup pipe as it arrives."""
+        """Python's C-level handler writes each signal's number to the wakeup pipe as it arrives;
+        ``close()`` writes 0."""
         while numbers := os.read(read, 64):
             for signum in numbers:
+                if signum == 0:
+                    os.close(read)
+                    return
                 if signum in SIGNALS:
                     self._on_signal(signum)
-        os.close(read)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -149,8 +152,9 @@ class StopCheck:
             signal.set_wakeup_fd(self.previous_wakeup)
             for s, handler in self.previous.items():
                 signal.signal(s, handler)
-            os.close(_pipe[1])  # the receiver reads to the end and stops
+            os.write(_pipe[1], b"\0")  # the receiver reads the signals before it and stops
             self.receiver.join()
+            os.close(_pipe[1])
             self.previous, self.receiver, _pipe = {}, None, None
 
 
@@ -185,7 +189,6 @@ def torchrun(argv: List[str]) -> int:
     import psutil
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
 
     def forward(signum, frame):
         workers = psutil.Process().children()
