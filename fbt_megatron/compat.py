@@ -10,8 +10,8 @@ the CPU (0.19's gradient sync asks for the current CUDA stream) is the platform 
 * ``LegacyTokenizer``: the tokenizer interface megatron-core's datasets read (``unique_identifiers``
   for their cache names, ``eod``, ``pad``, ``vocab_size``). 0.16 has it as
   ``megatron.core.datasets.megatron_tokenizer.MegatronLegacyTokenizer`` and warns on every
-  instance (filtered here: the datasets read exactly this interface); 0.19 removed that module,
-  its datasets read the same attributes, and the class below gives the same identifiers.
+  instance (silenced: the datasets read exactly this interface); 0.19 removed that module, its
+  datasets read the same attributes, and the class here gives the same identifiers.
 * ``write_results_queue_getter()``: the name of the function with which megatron-core's
   checkpoint writers get their results queue (``megatron_fixes`` replaces it):
   ``_get_write_results_queue`` in 0.16, ``get_write_results_queue(mp_mode)`` in 0.19.
@@ -21,13 +21,20 @@ the CPU (0.19's gradient sync asks for the current CUDA stream) is the platform 
   the same layers k times, built once without a ``vp_stage`` (``fbt_megatron.parallel.pipeline``)
   — so such a block's offset is the stage's plain one; 0.16 asks only while building (no virtual
   size then), where this changes nothing.
-* Notices that 0.19 logs on every run about its own future API, silenced (``NOTICES``): GPTModel
+* ``layer_wise_attributes()``: what megatron-core's ``LayerWiseDistributedOptimizer.__init__`` sets
+  for its other methods, for the subclass that shards before it wraps and so skips that
+  ``__init__`` (``fbt_megatron.optimizers.layer_wise``). 0.16's methods read the process groups
+  from ``pg_collection``; 0.19's read them cached (``dp_cp``, ``expt_dp``) and choose how to
+  all-gather after the step (here always ``allgather_params``: no parameter layout, no overlap).
+* Notices that 0.16 (the legacy tokenizer) and 0.19 log on every run about their own future API,
+  silenced (``NOTICES``): GPTModel
   is deprecated in favour of HybridModel; an MLP ``ModuleSpec`` is rewrapped as
   ``MLP.as_mlp_submodule`` (0.19 does it itself; 0.16 has no such method); the distributed
   optimizer's parameter layout is computed inside DDP (as in 0.16) rather than passed in; the
   synchronous checkpoint save goes through megatron-core's own async machinery, which it calls
   deprecated in favour of NVIDIA Resiliency Extension; a checkpoint saved by 0.16 is read through
-  ``load_common``, which 0.19 calls deprecated. None changes what is computed.
+  ``load_common``, which 0.19 calls deprecated. None changes what is computed. (Python warnings
+  of megatron-core and torch, 0.19's included, are ``cli.quiet_library_warnings()``'s.)
 * Checkpoints: 0.19 keeps a checkpoint's common state inside its ``torch_dist`` files (0.16: a
   ``common.pt`` beside them, and ``metadata.json`` names its ``common_backend``). 0.19 reads both;
   0.16 cannot read 0.19's, which ``newer_checkpoint()`` says in one line.
@@ -42,6 +49,7 @@ from pathlib import Path
 from typing import Optional
 
 NOTICES = {  # logger: the start of the message
+    "megatron.core.datasets.megatron_tokenizer": "You're using the legacy tokenizer system",  # 0.16
     "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
     "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec with module",
     "megatron.core.distributed.distributed_data_parallel": "DistributedDataParallel: full_param_layout not provided",
@@ -52,15 +60,8 @@ for _logger, _start in NOTICES.items():
     logging.getLogger(_logger).addFilter(lambda record, start=_start: not record.getMessage().startswith(start))
 
 try:
-    from megatron.core.datasets import megatron_tokenizer
+    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer as LegacyTokenizer
 except ImportError:  # megatron-core >= 0.17
-    megatron_tokenizer = None
-
-
-if megatron_tokenizer is not None:
-    LegacyTokenizer = megatron_tokenizer.MegatronLegacyTokenizer
-    logging.getLogger(megatron_tokenizer.__name__).addFilter(lambda r: "legacy tokenizer" not in r.getMessage())
-else:
 
     class LegacyTokenizer:
         """megatron-core 0.16's ``MegatronLegacyTokenizer``: identifiers from the class, the paths
@@ -98,6 +99,12 @@ def apply() -> None:
             config.virtual_pipeline_model_parallel_size = virtual
 
     transformer_block.get_transformer_layer_offset = layer_offset
+
+
+def layer_wise_attributes(pg_collection) -> dict:
+    """The attributes of the module docstring, for ``setattr`` on the optimizer."""
+    return {"dp_cp": pg_collection.dp_cp, "expt_dp": getattr(pg_collection, "expt_dp", None),
+            "overlap_param_gather": False, "use_buffer_param_sync": False}
 
 
 def newer_checkpoint(folder: Path) -> Optional[str]:
