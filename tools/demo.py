@@ -86,7 +86,7 @@ def training_work(recipe_path: Path, iters: int) -> float:
 def pass_mixture(recipe_path: Path, iters: int) -> Dict[int, float]:
     """How many of a run's ``iters`` steps are expected to have each k (its pass schedule)."""
     from fbt_megatron.recipe import load_recipe
-    from fbt_megatron.train import pass_schedule
+    from fbt_megatron.passes import pass_schedule
 
     r = load_recipe(str(recipe_path))
     r.training.train_iters = iters
@@ -422,7 +422,7 @@ def plot(lm_runs: list, tasks: Dict[str, Dict[str, List[dict]]], path: Path):
 
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
-    from fbt_megatron.tasks.state_tracking import GROUPS
+    from fbt_megatron.data.state_tracking import GROUPS
 
     cores = os.cpu_count() or 1
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
