@@ -42,7 +42,8 @@ test-serve: serve-setup
 # exact resume (tokenizer, datasets, checkpoint save/load, results queue); the entry point at PP 2 x
 # DP 2 (k passes as virtual pipeline chunks, overlapped gradient sync with the distributed optimizer)
 # equal to one process, resumed at another layout; the export's logits and its bit-exact round trip.
-# About 10 minutes of CPU: 895 s wall on 2 shared cores (load 60) for a superset.
+# Measured 2026-12-01: 21 passed, 250 s of CPU, 596 s wall on 2 cores shared with other work
+# (load 40-50); building the venv: 611 s wall, 161 s of CPU (load 10).
 PY312 ?= python3.12
 VENV312 := .venv-mcore-latest
 MCORE_LATEST_TESTS := tests/test_compat.py tests/test_platform.py::test_cuda_call_sites_run_on_cpu tests/test_tokenizer.py \
