@@ -51,6 +51,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fbt_megatron import compat
 from fbt_megatron.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -498,6 +499,9 @@ def _reason(e: BaseException) -> str:
 
 
 def _common(path: Path) -> dict:
+    newer = compat.newer_checkpoint(path)
+    if newer:
+        raise CheckpointError(newer)
     try:
         with _weights_only_loading():
             return dist_checkpointing.load_common_state_dict(str(path))

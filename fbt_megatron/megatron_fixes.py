@@ -1,10 +1,13 @@
-"""Fixes for bugs of megatron-core 0.16 that this project hits, on CPU and GPU alike. Each is
-applied once per process by ``apply()`` (called from ``platform.install()``), names the bug, and
-is checked by a test that fails without it (resume and cross-layout checkpoint tests)."""
+"""Fixes for bugs of megatron-core (0.16 and 0.19 alike) that this project hits, on CPU and GPU
+alike. Each is applied once per process by ``apply()`` (called from ``platform.install()``), names
+the bug, and is checked by a test that fails without it (resume and cross-layout checkpoint
+tests)."""
 
 from __future__ import annotations
 
 import torch
+
+from fbt_megatron import compat
 
 _applied = False
 
@@ -19,8 +22,8 @@ def apply() -> None:
 
 
 def _torch_adam_steps() -> None:
-    """megatron-core 0.16's DistributedOptimizer on torch's Adam (used when neither Apex nor TE
-    is installed) mishandles Adam's per-parameter ``step`` in checkpoints:
+    """megatron-core's DistributedOptimizer (0.16 and 0.19) on torch's Adam (used when neither Apex
+    nor TE is installed) mishandles Adam's per-parameter ``step`` in checkpoints:
       * ``state_dict()`` asserts when nothing has been stepped yet (it is called while loading);
       * loading gives every parameter the *same* step tensor, which Adam then increments once per
         parameter per step: silently wrong bias correction after a resume;
@@ -106,13 +109,15 @@ def _write_results_queue() -> None:
       * spawning re-imports the entry point (torch, megatron-core): about 8 s per process, paid by
         every run that saves.
     The replacement forks the manager, as megatron-core forks its writers, with SIGTERM and SIGINT
-    ignored in it (the dispositions a forked process inherits)."""
+    ignored in it (the dispositions a forked process inherits); like every process forked after
+    ``platform.install()`` it dies with its parent (``fbt_megatron.processes``), so no kill of the
+    run leaves it behind."""
     import multiprocessing
     import signal
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    def forked_results_queue():
+    def forked_results_queue(*args, **kwargs):  # (0.19: the start method to use, which it replaces)
         if fa._results_queue is None:
             previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
             try:
@@ -122,4 +127,4 @@ def _write_results_queue() -> None:
                     signal.signal(s, handler)
         return fa._results_queue
 
-    fa._get_write_results_queue = forked_results_queue
+    setattr(fa, compat.write_results_queue_getter(), forked_results_queue)

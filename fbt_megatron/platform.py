@@ -6,7 +6,9 @@ Without one: CPU + gloo, and `install()` makes megatron-core's CUDA-only call si
   * factory calls with ``device="cuda"`` (causal masks, schedules, optimizer buffers) and
     ``Tensor.cuda()`` are redirected to the CPU by a TorchFunctionMode, also inside the
     backward of megatron's activation recompute;
-  * ``torch.cuda.current_device()`` names the CPU, ``torch.cuda.synchronize()`` is a no-op;
+  * ``torch.cuda.current_device()`` names the CPU, ``torch.cuda.synchronize()`` is a no-op, and
+    ``torch.cuda.current_stream()`` (megatron-core >= 0.19's gradient sync) is a stream that has
+    nothing to wait for (CPU work runs in program order);
   * the model-parallel RNG tracker keeps CPU generator states (the device generator *is* the
     CPU generator here), so forked dropout and activation recompute replay the same numbers.
 """
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from fbt_megatron import megatron_fixes
+from fbt_megatron import compat, megatron_fixes, processes
 
 _installed = False
 
@@ -86,6 +88,19 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuStream:
+    """``torch.cuda.current_stream()`` on the CPU: work runs in program order, nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _CpuRNGStatesTracker:
     """Megatron's CudaRNGStatesTracker on CPU generator states (same names, same semantics)."""
 
@@ -130,10 +145,12 @@ class _CpuRNGStatesTracker:
 
 def install() -> None:
     """Make megatron-core usable on this process's device. Idempotent; on GPU only the
-    optimizer-checkpoint fixes apply (and only without Apex/TE)."""
+    process-lifetime rules, the release differences and megatron-core's bug fixes apply."""
     global _installed
     if _installed:
         return
+    processes.install()  # what this process starts dies with it
+    compat.apply()  # what differs between the megatron-core releases tested
     megatron_fixes.apply()  # bugs of megatron-core itself, on any device
     if on_gpu():
         _installed = True
@@ -142,6 +159,7 @@ def install() -> None:
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _CpuStream()
     # activation recompute saves/restores "the device generator": on CPU that is the CPU one
     mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)

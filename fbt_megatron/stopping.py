@@ -5,7 +5,9 @@ before the time limit, ``scontrol requeue``, ``kill`` and Ctrl-C (torchrun forwa
 and QUIT to its workers). ``--exit-duration-in-mins M`` raises the same flag once M minutes have
 passed since ``train()`` started. At the next step boundary every rank stops together: the run
 saves a checkpoint (with ``--save``) and exits 0 with one line naming the checkpoint; ``--load``
-resumes it exactly. A second Ctrl-C aborts at once (exit 130, nothing saved).
+resumes it exactly. A second Ctrl-C aborts at once (exit 130, nothing saved); so does a SIGTERM
+after a Ctrl-C, which is how torchrun passes a second Ctrl-C on (a second SIGTERM does not abort:
+Slurm and a forwarding torchrun may both send one).
 
 Ranks agree without a stall: each step starts an asynchronous MAX all-reduce of this rank's flags
 (the signal's number, overtime or not: two numbers over a gloo group, CPU tensors, no device
@@ -17,6 +19,20 @@ Every stop (and the end of a run) is recorded in ``<save>/exit_status.json`` (``
 ``{"reason": "finished" | "exit_interval" | "signal" | "duration" | "bad_steps", "step": N,
 "train_iters": T, "checkpoint": "iter_000000N" or null, "signal": "SIGTERM" (signal stops)}``,
 for job scripts (Slurm) deciding whether to resubmit.
+
+Every delivery counts, whatever the main thread is doing (a long kernel, a collective waiting for
+a peer): Python's C-level handler writes each signal's number to its wakeup pipe, and a thread of
+``StopCheck`` reads it. Processes forked while it handles the signals (megatron-core's checkpoint
+writers) ignore SIGTERM and SIGINT: the run decides when to stop, and they die with it
+(``fbt_megatron.processes``).
+
+Under torchrun the training processes are in sessions of their own: a terminal's Ctrl-C reaches
+only torchrun, which forwards it, gives the workers 30 s (then kills them) and, after their clean
+stop, ends with its own ``SignalException`` traceback and exit 1; on a second Ctrl-C it sends them
+SIGTERM (they abort) and ends the same way. ``torchrun()`` (``python -m fbt_megatron.torchrun``,
+torchrun's own command line) forwards TERM and INT to the workers instead and lets torchrun wait for
+them, however long the save takes: a clean stop exits 0 with the workers' line last, a second
+Ctrl-C aborts them at once (exit 130), and a failed worker ends in one line naming it.
 """
 
 from __future__ import annotations
@@ -25,15 +41,35 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STATUS = "exit_status.json"
+_pipe = None  # (read, write) of the StopCheck that handles SIGNALS in this process
+
+
+def _counted(signum, frame) -> None:
+    """The Python-level handler: nothing; StopCheck's receiver thread reads the delivery."""
+
+
+def _forked() -> None:
+    global _pipe
+    if _pipe is not None:  # a helper (checkpoint writer): the run stops it, not the signal
+        signal.set_wakeup_fd(-1)
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        for fd in _pipe:
+            os.close(fd)
+        _pipe = None  # (the numbers are free for this process's own files)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class StopCheck:
@@ -49,19 +85,37 @@ class StopCheck:
         if self.world > 1 and dist.get_backend() != "gloo":  # a CPU group: the flags never touch the device
             self.group = dist.new_group(backend="gloo")
         self.flags, self.pending = torch.zeros(2), None
-        self.previous = {}
-        if handle_signals:
-            self.previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        self.previous, self.receiver = {}, None
+        if handle_signals:  # every delivery counts, also while the main thread is in a long C call
+            global _pipe
+            _pipe = os.pipe()
+            os.set_blocking(_pipe[1], False)
+            self.previous = {s: signal.signal(s, _counted) for s in SIGNALS}
+            self.previous_wakeup = signal.set_wakeup_fd(_pipe[1], warn_on_full_buffer=False)
+            self.receiver = threading.Thread(target=self._receive, args=(_pipe[0],), name="stop-signals", daemon=True)
+            self.receiver.start()
 
-    def _on_signal(self, signum, frame) -> None:
+    def _receive(self, read: int) -> None:
+        """Python's C-level handler writes each signal's number to the wakeup pipe as it arrives;
+        ``close()`` writes 0."""
+        while numbers := os.read(read, 64):
+            for signum in numbers:
+                if signum == 0:
+                    os.close(read)
+                    return
+                if signum in SIGNALS:
+                    self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self.signal is None:
             self.signal = name
             if os.environ.get("RANK", "0") == "0":
                 again = " (Ctrl-C again to abort now)" if signum == signal.SIGINT else ""
                 print(f"{name} received: saving a checkpoint and stopping at the next step boundary{again}", flush=True)
-        elif signum == signal.SIGINT:  # a second Ctrl-C: abort at once, as users expect
-            print(f"aborted by a second {name}: no checkpoint written", file=sys.stderr, flush=True)
+        elif signal.SIGINT in (signum, signal.Signals[self.signal]):  # a second Ctrl-C: abort at once, as users expect
+            what = f"a second {name}" if name == self.signal else f"{name} after {self.signal}"
+            print(f"aborted by {what}: no checkpoint written", file=sys.stderr, flush=True)
             os._exit(130)
 
     def start_step(self) -> None:
@@ -93,9 +147,15 @@ class StopCheck:
         """Restore the signal handlers there were before (a process may train again)."""
         if self.pending is not None:
             self.pending.wait()
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-        self.previous = {}
+        global _pipe
+        if self.receiver is not None:
+            signal.set_wakeup_fd(self.previous_wakeup)
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
+            os.write(_pipe[1], b"\0")  # the receiver reads the signals before it and stops
+            self.receiver.join()
+            os.close(_pipe[1])
+            self.previous, self.receiver, _pipe = {}, None, None
 
 
 def stop_line(cause: str, step: int, save: Optional[str], checkpoint: Optional[Path]) -> str:
@@ -121,3 +181,34 @@ def write_status(save: Optional[str], reason: str, step: int, train_iters: int, 
     tmp = path.with_name(STATUS + ".tmp")
     tmp.write_text(json.dumps(status) + "\n")
     os.replace(tmp, path)
+
+
+def torchrun(argv: List[str]) -> int:
+    """torchrun (``argv``: its command line) with the stop of one process (module docstring):
+    SIGTERM and SIGINT go to every worker's process group, and torchrun waits for the workers."""
+    import psutil
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    def forward(signum, frame):
+        workers = psutil.Process().children()
+        if not workers:  # not started yet: nothing to stop cleanly
+            raise SystemExit(128 + signum)
+        for worker in workers:
+            try:
+                os.killpg(worker.pid, signum)  # torchrun starts each in a session of its own
+            except ProcessLookupError:
+                pass
+
+    previous = {s: signal.signal(s, forward) for s in SIGNALS}
+    try:
+        run.main(["--signals-to-handle", "SIGHUP,SIGQUIT", *argv])  # torchrun's own handling: the others
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        print(f"torchrun: rank {rank} ended with {how}; torchrun stopped the other workers", file=sys.stderr, flush=True)
+        return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0

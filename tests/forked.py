@@ -12,9 +12,12 @@ A command may also carry signals to send to its process (``Signal``: Ctrl-C, SIG
 a chosen moment): each once the command's output contains ``output`` and a file matching the glob
 ``path`` exists, ``delay`` seconds later, one after another. Each child leads a process group of
 its own and a signal goes to the whole group, as a terminal's Ctrl-C or Slurm's signal to a job
-step does (the helper processes it started too). With ``listing`` (a folder) the parent records
-the names of its entries after each command, before the next one starts: e.g. what a killed run
-left behind (``run_commands(..., listing=folder, listings=[])``).
+step does (the helper processes it started too), or with ``group=False`` to the process alone
+(``kill -9 PID``). With ``listing`` (a folder) the parent records the names of its entries after
+each command, before the next one starts: e.g. what a killed run left behind
+(``run_commands(..., listing=folder, listings=[])``). ``survivors=[]`` gets, per command, the
+processes of its run still alive 5 s after it ended (``survivors()``: its process group, and every
+process descended from it when a signal was sent): none, when nothing outlives its run.
 """
 
 import atexit
@@ -28,7 +31,9 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+import psutil
 
 from fbt_megatron.cli import run_cli
 
@@ -43,6 +48,51 @@ class Signal(NamedTuple):
     output: Optional[str] = None
     path: Optional[str] = None
     delay: float = 0.0
+    group: bool = True  # to the command's process group (False: to its process alone)
+
+
+def descendants(pid: int) -> List[psutil.Process]:
+    """``pid`` and every process descended from it, now."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def survivors(groups: Iterable[int], processes: Iterable[psutil.Process], within: float = 5.0) -> List[str]:
+    """The processes of a run still alive ``within`` seconds from now (polled): members of the
+    process ``groups`` and those of ``processes`` (``descendants()`` taken earlier), as ps lines."""
+    groups, processes = set(groups), list(processes)
+    deadline = time.monotonic() + within
+    while True:
+        alive = {p.pid: p for p in psutil.process_iter() if _group(p) in groups}
+        alive.update({p.pid: p for p in processes if _alive(p)})
+        alive.pop(os.getpid(), None)
+        if not alive or time.monotonic() > deadline:
+            return [_ps_line(p) for p in alive.values()]
+        time.sleep(0.1)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _group(process: psutil.Process) -> Optional[int]:
+    try:
+        return os.getpgid(process.pid) if _alive(process) else None
+    except ProcessLookupError:
+        return None
+
+
+def _ps_line(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid} ppid {process.ppid()} pgid {_group(process)}: {' '.join(process.cmdline())[:200]}"
+    except psutil.NoSuchProcess:
+        return f"{process.pid} (gone meanwhile)"
 
 
 # argv, stdout file, stderr file (None: with stdout)[, signals to send]
@@ -50,9 +100,10 @@ Command = Tuple[Sequence[str], Path, Optional[Path]] | Tuple[Sequence[str], Path
 
 
 def run_commands(module: str, commands: List[Command], timeout: int = 900, listing: Optional[Path] = None,
-                 listings: Optional[list] = None) -> List[int]:
+                 listings: Optional[list] = None, survivors: Optional[list] = None) -> List[int]:
     """The exit codes of ``python -m module *argv`` for each command, run one after another;
-    ``listings`` (with ``listing``) gets, per command, the sorted entry names of ``listing`` after it."""
+    ``listings`` (with ``listing``) gets, per command, the sorted entry names of ``listing`` after it;
+    ``survivors`` the processes of each command's run alive 5 s after it ended."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     with tempfile.TemporaryDirectory() as tmp:
         spec, codes = Path(tmp) / "commands.json", Path(tmp) / "codes.json"
@@ -67,6 +118,8 @@ def run_commands(module: str, commands: List[Command], timeout: int = 900, listi
         results = json.loads(codes.read_text())
         if listings is not None:
             listings.extend(results["listings"])
+        if survivors is not None:
+            survivors.extend(results["survivors"])
         return results["codes"]
 
 
@@ -90,20 +143,22 @@ def _child(module, argv: List[str], out: str, err: Optional[str]) -> int:
         sys.stderr.flush()
 
 
-def _wait(pid: int, out: str, signals: list) -> int:
-    """Wait for the child, sending it ``signals`` (``Signal`` fields) as their conditions come true."""
+def _wait(pid: int, out: str, signals: list, processes: list) -> int:
+    """Wait for the child, sending it ``signals`` (``Signal`` fields) as their conditions come true;
+    ``processes`` gets the child's descendants at each signal."""
     def printed(text):
         return os.path.exists(out) and text in Path(out).read_text(errors="replace")
 
-    for number, output, path, delay in signals:
+    for number, output, path, delay, group in signals:
         while not ((output is None or printed(output)) and (path is None or glob.glob(path))):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 return os.waitstatus_to_exitcode(status)
             time.sleep(0.005)
         time.sleep(delay)
+        processes.extend(descendants(pid))
         try:
-            os.killpg(pid, number)
+            (os.killpg if group else os.kill)(pid, number)
         except ProcessLookupError:
             break
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
@@ -113,7 +168,7 @@ def main() -> None:
     name, spec, results = sys.argv[1:]
     module = importlib.import_module(name)  # under its own name: a ``__main__`` module's guard stays shut
     spec = json.loads(Path(spec).read_text())
-    codes, listings = [], []
+    codes, listings, left = [], [], []
     for argv, out, err, signals in spec["commands"]:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -124,10 +179,12 @@ def main() -> None:
             os.setpgid(pid, pid)  # also here: before the child may have run its own setpgid
         except (PermissionError, ProcessLookupError):
             pass
-        codes.append(_wait(pid, out, signals))
+        processes = []
+        codes.append(_wait(pid, out, signals, processes))
+        left.append(survivors([pid], processes))
         if spec["listing"]:
             listings.append(sorted(os.listdir(spec["listing"])) if os.path.isdir(spec["listing"]) else [])
-    Path(results).write_text(json.dumps({"codes": codes, "listings": listings}))
+    Path(results).write_text(json.dumps({"codes": codes, "listings": listings, "survivors": left}))
 
 
 if __name__ == "__main__":

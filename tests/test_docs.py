@@ -126,6 +126,8 @@ def _classify(where: str, line: str) -> Optional[Command]:
         return None
     head, rest = tokens[0], tokens[1:]
     world = int(env.get("WORLD_SIZE", 1))
+    if head in ("python", "python3") and rest[:2] == ["-m", "fbt_megatron.torchrun"]:  # torchrun's command line
+        head, rest = "torchrun", rest[2:]
     if head in ("python", "python3") and rest[:1] == ["-m"] and len(rest) > 1:
         return Command(where, line, "module", rest[1], rest[2:], world)
     if head in ("python", "python3") and rest and (rest[0].endswith(".py") or (ROOT / rest[0] / "__main__.py").is_file()):

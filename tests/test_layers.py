@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).parent.parent / "fbt_megatron"
 
 LAYERS = [
     ("ground floor: errors, the platform, checkpoints, data, the sequence layout",
-     ["errors", "decode_modes", "folders", "megatron_fixes", "platform", "cli", "stopping", "checkpointing", "data", "seeds", "sequence", "offload",
+     ["errors", "decode_modes", "folders", "compat", "processes", "megatron_fixes", "platform", "cli", "stopping",
+      "checkpointing", "data", "seeds", "sequence", "offload",
       "layers"]),
     ("configuration: the model config, recipes and their flags, the pass schedule, the losses",
      ["config", "recipe", "flags", "passes", "losses"]),
@@ -23,7 +24,7 @@ LAYERS = [
      ["data.build", "build", "step", "saver", "metrics", "runs", "plan"]),
     ("what works on runs: generation, conversion, evaluation, the tasks, diagnostics, Slurm",
      ["generate", "convert", "evaluation", "serving", "tasks", "diagnostics", "slurm"]),
-    ("the training entry point", ["train"]),
+    ("the entry points: training, torchrun for training", ["train", "torchrun"]),
 ]
 
 
@@ -94,7 +95,7 @@ def test_the_imports_have_no_cycle():
 
 
 def test_no_module_imports_an_entry_point():
-    entry_points = {"train"} | {name for name in module_names() if name == "__main__" or name.endswith(".__main__")}
+    entry_points = {"train", "torchrun"} | {name for name in module_names() if name == "__main__" or name.endswith(".__main__")}
     importers = [f"fbt_megatron.{name} imports fbt_megatron.{dep}"
                  for name, deps in sorted(graph().items()) for dep in sorted(deps & entry_points)]
     assert not importers, "\n".join(importers)

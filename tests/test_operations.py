@@ -7,12 +7,17 @@ stop early, steps that go bad, processes that die.
 * Through the entry point (real processes, tests/forked.py, one interpreter start-up for all):
   NaN/Inf injection, too many bad steps, SIGTERM, a second Ctrl-C (each signal to the process
   group, as Slurm and a terminal send it), --exit-duration-in-mins, keep-last-N retention,
-  --async-save and kill -9 at 10 points (mid-step and mid-save) with resumes.
+  --async-save and kill -9 at 10 points (mid-step and mid-save; of the process group or of the
+  training process alone) with resumes; no process of any of these runs is left 5 s after it.
+* Under torchrun (2 processes, ``python -m fbt_megatron.torchrun``): a signal only one rank got,
+  a double Ctrl-C, kill -9 of one rank; no process of the run is left, and the last checkpoint
+  resumes exactly.
 """
 
 import json
 import math
 import random
+import re
 import signal
 from pathlib import Path
 
@@ -22,7 +27,7 @@ import torch
 from fbt_megatron import build, checkpointing, train
 from fbt_megatron.bad_steps import optimizer_step
 from fbt_megatron.metrics import read_metrics
-from forked import Signal, run_commands
+from forked import Signal, descendants, run_commands, survivors
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -92,14 +97,17 @@ def test_a_skipped_step_is_a_step_that_never_happened(name, precision):
 # ---------------------------------------------------------------- real runs
 def _kill_plan(folder: Path, seed: int = 13):
     """10 kill -9 points, seeded: at step n = 2 … 11, alternately while checkpoint n is being
-    written (its .tmp folder exists) and during step n + 1 (checkpoint n complete)."""
+    written (its .tmp folder exists) and during step n + 1 (checkpoint n complete); in pairs, to
+    the process group (Slurm) and to the training process alone (its helpers live on unless they
+    die with it)."""
     rng = random.Random(seed)
     plan = []
     for i, n in enumerate(range(2, 12)):
+        group = i // 2 % 2 == 0
         if i % 2 == 0:
-            plan.append(Signal(signal.SIGKILL, path=str(folder / f"iter_{n:07d}.tmp"), delay=rng.uniform(0.0, 0.02)))
+            plan.append(Signal(signal.SIGKILL, path=str(folder / f"iter_{n:07d}.tmp"), delay=rng.uniform(0.0, 0.02), group=group))
         else:
-            plan.append(Signal(signal.SIGKILL, path=str(folder / f"iter_{n:07d}"), delay=rng.uniform(0.01, 0.05)))
+            plan.append(Signal(signal.SIGKILL, path=str(folder / f"iter_{n:07d}"), delay=rng.uniform(0.01, 0.05), group=group))
     return plan
 
 
@@ -121,7 +129,9 @@ def runs(tmp_path_factory, small_corpus):
         "sigterm_resumed": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "sigterm", "--load", tmp / "sigterm"],
         "duration": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "duration",
                      "--exit-duration-in-mins", "0.00001"],
-        "ctrl_c_twice": [*SMALL, "--eval-iters", "0", "--train-iters", "30", "--save", tmp / "ctrl_c"],
+        "ctrl_c_twice": [*SMALL, "--eval-iters", "0", "--train-iters", KILL_ITERS, "--save-interval", "1", "--save", tmp / "ctrl_c"],
+        "ctrl_c_resumed": [*SMALL, "--eval-iters", "0", "--train-iters", KILL_ITERS, "--save", tmp / "ctrl_c", "--load", tmp / "ctrl_c"],
+        "ctrl_c_then_term": [*SMALL, "--eval-iters", "0", "--train-iters", "30"],
         "async": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "async", "--save-interval", "2",
                   "--keep-last-n-checkpoints", "2", "--async-save"],
         "async_resumed": [*SMALL, "--eval-iters", "0", "--train-iters", "7", "--save", tmp / "async_resumed", "--load", tmp / "async",
@@ -132,17 +142,19 @@ def runs(tmp_path_factory, small_corpus):
     }
     signals = {
         "sigterm": [Signal(signal.SIGTERM, output="step      3 ")],
-        "ctrl_c_twice": [Signal(signal.SIGINT, output="step      2 "), Signal(signal.SIGINT, output="SIGINT received")],
+        "ctrl_c_twice": [Signal(signal.SIGINT, output="step      3 ", path=str(tmp / "ctrl_c" / "iter_0000003")),
+                         Signal(signal.SIGINT, output="SIGINT received")],
+        "ctrl_c_then_term": [Signal(signal.SIGINT, output="step      2 "), Signal(signal.SIGTERM, output="SIGINT received")],
     }
     lines = [(name, [*data, *args], signals.get(name, [])) for name, args in commands.items()]
     resume = [*data, *SMALL, "--eval-iters", "0", "--train-iters", KILL_ITERS, "--save-interval", "1", "--save", kill, "--load", kill]
     lines += [(f"kill{i}", resume, [s]) for i, s in enumerate(_kill_plan(kill))]
     lines.append(("kill_final", resume, []))
-    listings = []
+    listings, left = [], []
     codes = run_commands("fbt_megatron.train", [(["--recipe", TINY, *map(str, args)], tmp / f"{name}.log", None, sig)
-                                                for name, args, sig in lines], listing=kill, listings=listings)
-    return {name: {"code": code, "log": (tmp / f"{name}.log").read_text(), "listing": listing}
-            for (name, _, _), code, listing in zip(lines, codes, listings)}, tmp
+                                                for name, args, sig in lines], listing=kill, listings=listings, survivors=left)
+    return {name: {"code": code, "log": (tmp / f"{name}.log").read_text(), "listing": listing, "survivors": survivors}
+            for (name, _, _), code, listing, survivors in zip(lines, codes, listings, left)}, tmp
 
 
 def _ok(run):
@@ -226,6 +238,9 @@ def test_sigterm_saves_stops_and_resumes_exactly(runs):
 
 @pytest.mark.slow
 def test_exit_duration_and_a_second_ctrl_c(runs):
+    """A second Ctrl-C (after checkpoint 3) aborts at once, exit 130, and so does a SIGTERM after a
+    Ctrl-C (torchrun's way of passing a second Ctrl-C on); --load then resumes from the last
+    complete checkpoint and the losses equal the uninterrupted run's bit for bit."""
     results, tmp = runs
     _ok(results["duration"])
     assert "stopped by --exit-duration-in-mins 1e-05 at step 1: checkpoint" in results["duration"]["log"]
@@ -233,6 +248,26 @@ def test_exit_duration_and_a_second_ctrl_c(runs):
     twice = results["ctrl_c_twice"]
     assert twice["code"] == 130 and "aborted by a second SIGINT: no checkpoint written" in twice["log"], twice["log"][-2000:]
     assert "Traceback" not in twice["log"]
+    then_term = results["ctrl_c_then_term"]
+    assert then_term["code"] == 130 and "aborted by SIGTERM after SIGINT: no checkpoint written" in then_term["log"], then_term["log"][-2000:]
+    _ok(results["ctrl_c_resumed"])
+    resumed_from = int(re.search(r"steps (\d+)→", results["ctrl_c_resumed"]["log"]).group(1))
+    assert resumed_from >= 3, results["ctrl_c_resumed"]["log"][:800]
+    keys = ["k", "loss", "pass_losses", "grad_norm", "lr"]
+    expected, got = read_metrics(tmp / "uninterrupted"), read_metrics(tmp / "ctrl_c")
+    assert len(got) == KILL_ITERS and [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]
+
+
+@pytest.mark.slow
+def test_no_process_outlives_its_run(runs):
+    """5 s after each run ended — finished, stopped, aborted by a second Ctrl-C, kill -9 of its
+    process group or of the training process alone, mid-step or mid-save — no process of it is
+    left (its process group, and everything descended from it when it was signalled): not the
+    checkpoint results-queue manager (which ignores SIGINT and SIGTERM), not a checkpoint writer."""
+    results, _ = runs
+    assert sum(not s.group for s in _kill_plan(Path("k"))) == 4
+    left = {name: run["survivors"] for name, run in results.items() if run["survivors"]}
+    assert not left, left
 
 
 @pytest.mark.slow
@@ -278,52 +313,122 @@ def test_async_save_writes_the_same_checkpoints_in_the_background(runs):
     assert [{k: r[k] for k in keys} for r in read_metrics(tmp / "async_resumed")] == clean[6:]
 
 
-def _environ(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/environ").read_text(errors="replace")
-    except OSError:  # gone meanwhile
-        return ""
+# ---------------------------------------------------------------- under torchrun
+TORCHRUN_ITERS = 14
 
 
-def _children(pid: int) -> list:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
-
-@pytest.mark.slow
-def test_ranks_agree_on_a_signal_only_one_of_them_received(tmp_path, small_corpus):
-    """torchrun, 2 data-parallel ranks: SIGTERM to rank 1 alone. Both ranks stop at the same step
-    boundary (the flag is all-reduced), save one complete checkpoint of that step together and
-    exit 0; rank 0, which got no signal, reports it."""
+def _torchrun(log: Path, args: list, when=None, act=None) -> dict:
+    """``python -m fbt_megatron.torchrun`` with 2 processes, in a session of its own as a terminal
+    starts it; once ``when(output)`` holds, ``act(launcher pid, output file)`` signals it. Returns
+    the exit code, the output, the seconds from ``act`` to the launcher's end and the processes
+    of the run alive 5 s after it (every process of the run when ``act`` began, and their groups)."""
     import os
     import subprocess
     import sys
     import time
 
-    save, log = tmp_path / "run", tmp_path / "run.log"
-    data = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m", "fbt_megatron.train",
-               "--recipe", TINY, *data, *SMALL, "--eval-iters", "0", "--train-iters", "200", "--save", str(save)]
+    command = [sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node=2", "--standalone", "-m", "fbt_megatron.train",
+               "--recipe", TINY, *map(str, args)]
+    processes, acted = [], None
     with open(log, "w") as out:
-        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while "step      3 " not in log.read_text() and launcher.poll() is None:
-                time.sleep(0.05)
-            rank1 = [p for p in _children(launcher.pid) if "\0RANK=1\0" in "\0" + _environ(p)]
-            assert len(rank1) == 1, log.read_text()[-3000:]
-            os.kill(rank1[0], signal.SIGTERM)
-            code = launcher.wait(timeout=300)
+            if act is not None:
+                while not when(log.read_text()) and launcher.poll() is None:
+                    time.sleep(0.02)
+                processes = descendants(launcher.pid)
+                acted = time.monotonic()
+                act(launcher.pid, log)
+            code = launcher.wait(timeout=600)
+            seconds = None if acted is None else time.monotonic() - acted
         finally:
             if launcher.poll() is None:
                 launcher.kill()
-    text = log.read_text()
-    assert code == 0, text[-3000:]
+    left = survivors([launcher.pid, *(p.pid for p in processes)], processes)
+    return {"code": code, "log": log.read_text(), "seconds": seconds, "survivors": left}
+
+
+def _rank(launcher: int, rank: int) -> int:
+    workers = [p.pid for p in descendants(launcher) if p.environ().get("RANK") == str(rank)]
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
+def _ctrl_c_twice(launcher: int, log: Path) -> None:
+    import os
+    import time
+
+    os.killpg(launcher, signal.SIGINT)  # a terminal's Ctrl-C: to the launcher's process group
+    while "SIGINT received" not in log.read_text():
+        time.sleep(0.01)
+    os.killpg(launcher, signal.SIGINT)
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory, small_corpus):
+    """One folder, one after another: SIGTERM to rank 1 alone after step 3 (the run stops
+    cleanly); --load, a double Ctrl-C once a new checkpoint is complete; --load, kill -9 of rank 1
+    once a new checkpoint is complete; --load to the end. And the run uninterrupted."""
+    import os
+
+    tmp = tmp_path_factory.mktemp("torchrun")
+    base = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null", *SMALL, "--eval-iters", "0",
+            "--train-iters", TORCHRUN_ITERS]
+    run = tmp / "run"
+    resume = [*base, "--save", run, "--load", run, "--save-interval", "1"]
+
+    results = {"uninterrupted": _torchrun(tmp / "uninterrupted.log", [*base, "--save", tmp / "uninterrupted"])}
+    results["one_rank"] = _torchrun(tmp / "one_rank.log", [*base, "--save", run], lambda text: "step      3 " in text,
+                                    lambda launcher, log: os.kill(_rank(launcher, 1), signal.SIGTERM))
+    results["one_rank"].update(iterations=checkpointing.iterations(run), status=json.loads((run / "exit_status.json").read_text()))
+    for name, act in (("ctrl_c_twice", _ctrl_c_twice), ("kill", lambda launcher, log: os.kill(_rank(launcher, 1), signal.SIGKILL))):
+        after = run / f"iter_{checkpointing.latest_iteration(run) + 1:07d}"  # once a new checkpoint is complete
+        results[name] = _torchrun(tmp / f"{name}.log", resume, lambda text, after=after: after.exists(), act)
+        results[name]["latest"] = checkpointing.latest_iteration(run)
+    results["resumed"] = _torchrun(tmp / "resumed.log", resume)
+    return results, tmp
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_a_signal_only_one_of_them_received(torchrun_runs):
+    """torchrun, 2 data-parallel ranks: SIGTERM to rank 1 alone. Both ranks stop at the same step
+    boundary (the flag is all-reduced), save one complete checkpoint of that step together and
+    exit 0 (torchrun too, no traceback); rank 0, which got no signal, reports it."""
+    results, tmp = torchrun_runs
+    save, text, code = tmp / "run", results["one_rank"]["log"], results["one_rank"]["code"]
+    assert code == 0 and "Traceback" not in text, text[-3000:]
     stopped = [line for line in text.splitlines() if line.startswith("stopped by")]
     assert len(stopped) == 1 and stopped[0].startswith("stopped by SIGTERM at step "), text[-3000:]
     step = int(stopped[0].split("at step ")[1].split(":")[0])
-    assert 3 <= step < 200 and checkpointing.iterations(save) == [step]
+    assert 3 <= step < TORCHRUN_ITERS and results["one_rank"]["iterations"] == [step]
     assert not checkpointing._problems(checkpointing.checkpoint_dir(save, step), collective=True)
-    assert json.loads((save / "exit_status.json").read_text())["signal"] == "SIGTERM"
+    assert results["one_rank"]["status"]["signal"] == "SIGTERM"
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_double_ctrl_c_and_kill_9_leave_nothing_and_resume_exactly(torchrun_runs):
+    """A double Ctrl-C to the launcher's process group aborts both ranks at once (exit 130, one
+    line from the launcher last); kill -9 of rank 1 ends the run (exit 128 + 9, one line naming
+    it). 5 s after each, no process of the run is left (launcher, workers in their own sessions,
+    their checkpoint helpers). Resumed from the newest complete checkpoint, the losses equal the
+    uninterrupted run's bit for bit."""
+    results, tmp = torchrun_runs
+    twice, kill = results["ctrl_c_twice"], results["kill"]
+    assert twice["code"] == 130 and "aborted by a second SIGINT: no checkpoint written" in twice["log"], twice["log"][-3000:]
+    last = twice["log"].strip().splitlines()[-1]
+    assert re.fullmatch(r"torchrun: rank [01] ended with exit code 130; torchrun stopped the other workers", last), twice["log"][-3000:]
+    assert kill["code"] == 128 + signal.SIGKILL, kill["log"][-3000:]
+    assert kill["log"].strip().splitlines()[-1] == "torchrun: rank 1 ended with signal SIGKILL; torchrun stopped the other workers"
+    print(f"torchrun: a double Ctrl-C ended the run in {twice['seconds']:.1f} s, kill -9 of rank 1 in {kill['seconds']:.1f} s")
+    left = {name: run["survivors"] for name, run in results.items() if run["survivors"]}
+    assert not left, left
+    resumed = results["resumed"]
+    assert resumed["code"] == 0 and "Traceback" not in resumed["log"], resumed["log"][-3000:]
+    assert f"steps {kill['latest']}→{TORCHRUN_ITERS} " in resumed["log"] and twice["latest"] < kill["latest"] < TORCHRUN_ITERS
+    keys = ["k", "loss", "pass_losses", "grad_norm", "lr"]
+    expected, got = read_metrics(tmp / "uninterrupted"), read_metrics(tmp / "run")
+    assert len(got) == TORCHRUN_ITERS and [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import os
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
+from fbt_megatron import processes
 from fbt_megatron.data.documents import iter_documents, progress
 from fbt_megatron.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -55,6 +56,7 @@ def preprocess(
     try:
         with contextlib.ExitStack() as stack:
             if workers > 1:
+                processes.install()  # the workers die with this process
                 pool = stack.enter_context(multiprocessing.Pool(workers, _start_worker, (tokenizer.path, dtype)))
                 encoded = pool.imap(_encode_in_worker, texts, chunksize=16)
             else:

@@ -13,7 +13,6 @@ dataset indices are rebuilt when the tokenizer changes.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 from unittest import mock
@@ -21,12 +20,9 @@ from unittest import mock
 import sentencepiece
 import tiktoken
 import tokenizers
-from megatron.core.datasets import megatron_tokenizer
 from tiktoken.load import load_tiktoken_bpe
 
-# megatron-core 0.16 calls this interface "legacy" and warns on every instance, yet its datasets
-# read exactly these attributes (unique_identifiers, eod, pad, vocab_size): the warning is noise
-logging.getLogger(megatron_tokenizer.__name__).addFilter(lambda r: "legacy tokenizer" not in r.getMessage())
+from fbt_megatron.compat import LegacyTokenizer
 
 CL100K_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
@@ -41,7 +37,7 @@ def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, divi
     return -(-vocab_size // multiple) * multiple
 
 
-class Tokenizer(megatron_tokenizer.MegatronLegacyTokenizer):
+class Tokenizer(LegacyTokenizer):
     """A tokenizer read from the file `path`; subclasses load it and set ``_eod``/``_pad``."""
 
     kind = ""

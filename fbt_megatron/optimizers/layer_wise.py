@@ -18,6 +18,8 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from fbt_megatron import compat
+
 
 class LayerWiseOptimizer(LayerWiseDistributedOptimizer):
     """Per-rank ownership of whole parameters (see the module docstring); no expert parallelism.
@@ -26,6 +28,8 @@ class LayerWiseOptimizer(LayerWiseDistributedOptimizer):
 
     def __init__(self, optimizers: List[torch.optim.Optimizer], wrappers: List[Callable], pg_collection):
         self.pg_collection = pg_collection
+        for name, value in compat.layer_wise_attributes(pg_collection).items():
+            setattr(self, name, value)
         self.shard_params(optimizers)
         ChainedOptimizer.__init__(self, [wrap(optimizer) for wrap, optimizer in zip(wrappers, optimizers)])
 

@@ -1,0 +1,16 @@
+"""torchrun for training runs, ending as one process does: ``python -m fbt_megatron.torchrun
+--nproc-per-node 2 -m fbt_megatron.train ...`` (torchrun's own command line). Ctrl-C or SIGTERM:
+the workers save and stop, exit 0, no traceback; a second Ctrl-C aborts at once (exit 130).
+See ``fbt_megatron.stopping``."""
+
+import sys
+
+from fbt_megatron.stopping import torchrun
+
+
+def main() -> None:
+    sys.exit(torchrun(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
