@@ -70,7 +70,7 @@ def own(tmp_path_factory):
     two.mkdir()
     (two / "a.txt").write_text("\n\n".join(text[:60]) + "\n", encoding="utf-8")  # to valid (its name's hash), 3× b.txt
     (two / "b.txt").write_text("\n\n".join(text[60:80]) + "\n", encoding="utf-8")
-    prepared = {name: in_process(prepare_corpus, "--source", source, "--output", tmp / name, "--vocab-size", 384,
+    prepared = {name: in_process(prepare_corpus, "--source", source, "--output", tmp / f"{name}-corpus", "--vocab-size", 384,
                                  "--valid-fraction", 0.1, "--workers", 1)
                 for name, source in (("notes", tmp / "notes.txt"), ("two", two))}
 
@@ -78,9 +78,9 @@ def own(tmp_path_factory):
     (run / "iter_0000002.tmp").mkdir(parents=True)  # an aborted save's folder
     (run / "iter_0000002.tmp" / "__0_0.distcp").write_bytes(b"half")
     (tmp / "bad.yaml").write_text("model:\n  preset: tiny\n  num_layers: [2, 3\ndata:\n  seq_length: 64\n")
-    resume = [*TRAIN, "--data-path", tmp / "notes", "--load", run, "--save", tmp / "resumed"]
+    resume = [*TRAIN, "--data-path", tmp / "notes-corpus", "--load", run, "--save", tmp / "resumed"]
     commands = {
-        "train": [*TRAIN, "--data-path", tmp / "notes", "--save", run, "--exit-interval", "5"],
+        "train": [*TRAIN, "--data-path", tmp / "notes-corpus", "--save", run, "--exit-interval", "5"],
         "shape": [*resume, "--num-layers", "2"],
         "behaviour": [*resume, "--feedback-jitter", "0.05"],
         "yaml": ["--recipe", tmp / "bad.yaml"],
@@ -99,7 +99,7 @@ def test_a_text_file_is_split_into_documents_at_blank_lines(own):
     code, out, err = own["prepared"]["notes"]
     assert code == 0, err[-3000:]
     assert "warning" not in out, out
-    corpus = own["tmp"] / "notes"
+    corpus = own["tmp"] / "notes-corpus"
     settings = json.loads((corpus / "corpus.json").read_text())["settings"]
     assert settings["split_documents"] == "blank-line"  # the default for a text file
     docs = [json.loads(line) for split in ("train", "valid") for line in (corpus / f"docs.{split}.jsonl").open()]
@@ -151,7 +151,7 @@ def test_a_changed_model_on_resume_and_a_yaml_error_are_one_line(own, name, mess
 def test_eval_measures_the_runs_own_held_out_split(own):
     code, out, err = own["eval"]
     assert code == 0, (out + err)[-3000:]
-    run, corpus = own["run"], own["tmp"] / "notes"
+    run, corpus = own["run"], own["tmp"] / "notes-corpus"
     assert (f"warning: run was trained on {corpus}, not the standard library: the fbt_stdlib_* columns measure other "
             f"text; its own held-out split is the 'own split' columns") in out
     table = own["tmp"] / "eval" / "table.md"
@@ -171,9 +171,9 @@ def test_eval_measures_the_runs_own_held_out_split(own):
     # another corpus's held-out split: prepared with another tokenizer than the run's
     tool = own["eval_tool"]
     model = tool.Model("run", str(run), data["details"][0]["export"], 5)
-    chosen, warnings = tool.corpus_checks(model, own["tmp"] / "two", given=True)
-    assert chosen == own["tmp"] / "two" and warnings[-1] == (
-        f"warning: --corpus {own['tmp'] / 'two'} was prepared with another tokenizer than run's: the model was not "
+    chosen, warnings = tool.corpus_checks(model, own["tmp"] / "two-corpus", given=True)
+    assert chosen == own["tmp"] / "two-corpus" and warnings[-1] == (
+        f"warning: --corpus {own['tmp'] / 'two-corpus'} was prepared with another tokenizer than run's: the model was not "
         f"trained on it (its 'own split' columns measure other text)")
 
 

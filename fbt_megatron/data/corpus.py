@@ -83,7 +83,8 @@ def split_documents(names: list[str], valid_fraction: float) -> list[bool]:
 def split_warnings(documents: list[tuple[str, int]], valid: list[bool]) -> list[str]:
     """One line for each way the split of ``documents`` [(file, characters)] is degenerate: a
     single training document, a validation split larger than training, validation text mostly
-    from a file training has none of (another source)."""
+    from one file that training has none of and that holds a tenth of the corpus or more (another
+    source, not one file among many)."""
     train = [d for d, v in zip(documents, valid) if not v]
     held = [d for d, v in zip(documents, valid) if v]
     size = {name: sum(n for _, n in split) for name, split in (("train", train), ("valid", held))}
@@ -99,7 +100,8 @@ def split_warnings(documents: list[tuple[str, int]], valid: list[bool]) -> list[
     for f, n in held:
         if f not in trained:
             unseen[f] = unseen.get(f, 0) + n
-    if unseen and max(unseen.values()) > size["valid"] / 2:
+    total = size["train"] + size["valid"]
+    if unseen and max(unseen.values()) > max(size["valid"] / 2, total / 10):  # a file of many held out whole
         f = max(unseen, key=unseen.get)
         out.append(f"warning: {100 * unseen[f] / size['valid']:.0f}% of the valid split comes from {f}, which has no "
                    f"training document: validation measures another source than training; {fix}")
