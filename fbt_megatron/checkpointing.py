@@ -7,7 +7,8 @@ A run folder holds Megatron-LM's layout::
     <save>/latest_checkpointed_iteration.txt       the newest one's number (for Megatron tools)
 
 A checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed once every rank has finished, so a
-crash at any moment leaves the previous checkpoints intact. The one resumed from is the one the
+crash at any moment leaves the previous checkpoints intact; the ``.tmp`` folders an aborted save
+left are removed at the run's next save (``remove_stale``). The one resumed from is the one the
 tracker names (the last one saved: after ``--ckpt-step N`` the later folders of the abandoned
 continuation are not it), else the newest ``iter_*`` folder; ``iteration=N`` (``--ckpt-step N``)
 picks another.
@@ -264,7 +265,7 @@ def save(folder, iteration: int, model, optimizer, scheduler, extra: dict, keep_
     if background is not None:
         background.wait()
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash
+        remove_stale(folder)
         tmp.mkdir(parents=True)
     dist.barrier()
     state = {**_state(model, optimizer, scheduler, extra, loading=False), _MANIFEST_KEY: MANIFEST}
@@ -277,6 +278,19 @@ def save(folder, iteration: int, model, optimizer, scheduler, extra: dict, keep_
         request.add_finalize_fn(finish)  # after megatron-core's own (the torch_dist metadata)
         background.queue.schedule_async_request(request)
     return final
+
+
+def remove_stale(folder: Path) -> list:
+    """Delete the ``iter_XXXXXXX.tmp`` folders of a run folder: checkpoints an aborted save left
+    unfinished (a complete one is never named so: it is renamed once written). Called before a
+    save, when no save of this run is under way; says so in one line. Returns the names removed."""
+    stale = sorted(p.name for p in folder.glob("iter_*.tmp") if p.is_dir() and _ITER.match(p.name[:-len(".tmp")]))
+    for name in stale:
+        shutil.rmtree(folder / name)
+    if stale:
+        print(f"removed {', '.join(stale)} from {folder}: unfinished checkpoint{'s' if len(stale) > 1 else ''} "
+              f"of an aborted save", flush=True)
+    return stale
 
 
 def _finish(folder: Path, iteration: int, tmp: Path, keep_last: int) -> None:

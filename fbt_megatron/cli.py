@@ -1,5 +1,5 @@
 """How this project's command-line tools end: bad input is one ``error:`` line and exit code 2,
-and the process group a command started is torn down."""
+and the process group a command started is torn down; counts they print agree in number (``plural``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import os
 import sys
 import warnings
 from typing import Callable, NoReturn
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """"1 document", "2,048 documents" (``nouns``: an irregular plural)."""
+    return f"{count:,} " + (noun if count == 1 else nouns or noun + "s")
 
 
 def quiet_library_warnings() -> None:

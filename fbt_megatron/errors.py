@@ -20,3 +20,20 @@ class ConversionError(ValueError):
 
 class BadStepsError(ValueError):
     """Too many consecutive bad steps: the run stops (one ``error:`` line, exit code 2)."""
+
+
+class ArgumentError(ValueError):
+    """A function argument's bad value, worded for both kinds of caller: the message names
+    arguments as ``{name}`` placeholders, said as Python arguments (``str``) or as a command's
+    ``--flags`` (``flags()``)."""
+
+    def __init__(self, template: str, *names: str):
+        self.template, self.names = template, names
+        super().__init__(self.say(lambda name: name))
+
+    def say(self, word) -> str:
+        return self.template.format(**{name: word(name) for name in self.names})
+
+    def flags(self) -> str:
+        """The message with every argument named as its flag (``max_new_tokens`` → ``--max-new-tokens``)."""
+        return self.say(lambda name: "--" + name.replace("_", "-"))

@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
+from fbt_megatron.cli import plural
+
 METRICS = "metrics.jsonl"
 
 
@@ -118,11 +120,13 @@ class MetricsLogger:
                 self.writer.add_scalar(tag, value, record["step"])
             self.writer.flush()
 
-    def close(self) -> None:
-        """Ends the log with a summary line: tokens, and equivalent-compute tokens (tokens × passes)."""
-        if self.last is not None:
-            r = self.last
-            print(f"trained to step {r['step']}: {r['tokens']:,} tokens, {r['compute_tokens']:,} equivalent-compute tokens "
+    def close(self, state=None) -> None:
+        """Ends the log with a summary line of the step reached (``state``, a ``TrainState``; else
+        the last logged record): tokens, and equivalent-compute tokens (tokens × passes)."""
+        r = vars(state) if state is not None and state.tokens else self.last
+        if self.active and r is not None:
+            step = r.get("iteration", r.get("step"))
+            print(f"trained to step {step}: {r['tokens']:,} tokens, {r['compute_tokens']:,} equivalent-compute tokens "
                   f"(tokens × passes, {r['compute_tokens'] / r['tokens']:.3f} passes per token)", flush=True)
         if self.file:
             self.file.close()
@@ -206,8 +210,9 @@ class TrainingLog:
             record.update(z_loss=report["z_loss"], loss=record["loss"] + report["z_loss"])
         return record
 
-    def close(self) -> None:
-        self.logger.close()
+    def close(self, state) -> None:
+        """The log's end: its summary line says the step ``state`` reached (a stop may come between logged steps)."""
+        self.logger.close(state)
 
 
 def header(recipe, model, vocab: int, data, schedule: dict, start: int) -> str:
@@ -247,6 +252,21 @@ def validation_note(valid, recipe) -> Optional[str]:
         return None
     return (f"warning: validation reads {asked} sequences of {length} tokens but its split holds {tokens:,} tokens "
             f"({distinct} distinct sequences): they repeat; use a larger validation split or fewer --eval-iters")
+
+
+def epochs_note(train, recipe) -> Optional[str]:
+    """A warning when fine-tuning (``--sft``) reads its set of packed rows more than once: the
+    conversations repeat, as ``validation_note`` says of validation."""
+    t = recipe.training
+    if not recipe.data.sft or not len(train):
+        return None
+    asked = t.train_iters * t.global_batch_size
+    epochs = asked / len(train)
+    if epochs <= 1:
+        return None
+    return (f"warning: SFT reads {asked:,} rows ({plural(t.train_iters, 'step')} × {t.global_batch_size}) of a set of "
+            f"{plural(len(train), 'row')}: {epochs:.1f} epochs, every conversation about {epochs:.0f} times; add conversations "
+            f"or lower --train-iters to repeat them less")
 
 
 def format_record(r: dict) -> str:

@@ -504,6 +504,17 @@ def _model(values) -> tuple:
     return ModelSection(preset=preset), overrides
 
 
+def yaml_error(path, e: yaml.YAMLError) -> str:
+    """PyYAML's error as one line with its place: ``path:LINE:COLUMN: problem (context at LINE:COLUMN)``."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and start is not None:
+        problem += f" ({context} from line {start.line + 1}, column {start.column + 1})"
+    return f"{where}: not valid YAML: {problem}; fix the recipe file there"
+
+
 def load_recipe(path: Optional[str]) -> Recipe:
     """Read and type-check a recipe file (None: all defaults)."""
     if path is None:
@@ -514,7 +525,7 @@ def load_recipe(path: Optional[str]) -> Recipe:
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except yaml.YAMLError as e:
-            raise RecipeError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            raise RecipeError(yaml_error(path, e)) from None
         if not isinstance(raw, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections")
     return recipe_from_dict(raw)

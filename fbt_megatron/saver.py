@@ -19,6 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from fbt_megatron import checkpointing
+from fbt_megatron.cli import plural
 from fbt_megatron.recipe import Recipe
 from fbt_megatron.stopping import stop_line, write_status
 
@@ -69,7 +70,8 @@ class Saver:
         t, c = self.recipe.training, self.recipe.checkpoint
         if self.saves and self.verbose:
             steps, wall = state.iteration - self.first_step, time.perf_counter() - self.started
-            print(f"{steps} steps in {wall:.1f} s ({wall / steps:.3f} s per step), of which saving {self.saves} checkpoints "
+            print(f"{plural(steps, 'step')} in {wall:.1f} s ({wall / max(steps, 1):.3f} s per step), of which saving "
+                  f"{plural(self.saves, 'checkpoint')} "
                   f"held up training {self.save_time:.1f} s" + (" (written in the background: --async-save)" if self.background else ""),
                   flush=True)
         write_status(c.save, self.ending or "finished", state.iteration, t.train_iters, self.last, stop.signal)

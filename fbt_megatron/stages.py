@@ -52,7 +52,16 @@ def checkpoint_state(recipe: Recipe, folder: str, iteration: Optional[int] = Non
     refused when its model is not the recipe's (a resumed run continues exactly)."""
     saved, model = checkpointing.read_train_state(folder, iteration=iteration), recipe.to_dict()["model"]
     if saved["model"] != model:
-        raise RecipeError(f"the checkpoint in {folder} is of model {saved['model']}, the recipe asks for {model}")
+        architecture, other = model_changes(saved, recipe)
+        changes = [c for c in architecture + other if c[0] != "seq_length"] or [
+            (f"model.{k}", saved["model"].get(k), model.get(k)) for k in sorted(set(saved["model"]) | set(model))
+            if saved["model"].get(k) != model.get(k)]  # the same fields, written otherwise (a preset's value given)
+        fix = ("restore them to resume it; weights of another shape cannot be loaded, so to train this model start from "
+               "scratch with another --save and --load" if architecture else
+               f"restore them to resume it, or add --finetune to start a new run from its weights (or give "
+               f"--pretrained-checkpoint {folder} with another --save and --load)")
+        raise RecipeError(f"the checkpoint in {folder} is of another model: {_show(changes)} (checkpoint → this run); "
+                          f"a resumed run continues the same model: {fix}")
     return saved
 
 

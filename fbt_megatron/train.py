@@ -25,7 +25,7 @@ from fbt_megatron.build import build_model, build_optimizer
 from fbt_megatron.checkpointing import TrainState
 from fbt_megatron.cli import quiet_library_warnings, run_cli
 from fbt_megatron.data.build import build_data
-from fbt_megatron.metrics import TrainingLog, header, validation_note
+from fbt_megatron.metrics import TrainingLog, epochs_note, header, validation_note
 from fbt_megatron.optimizers.schedule import choose_schedule
 from fbt_megatron.passes import pass_schedule
 from fbt_megatron.plan.planner import print_plan
@@ -74,7 +74,8 @@ def train(recipe: Recipe) -> List[dict]:
     is_logger = dist.get_rank() == dist.get_world_size() - 1  # last pipeline stage: it has the losses
     log = TrainingLog(recipe, config, passes, state, lambda: evaluate(recipe, config, ddp, data.valid), active=is_logger)
     if is_logger:
-        notes = [origin and origin.note, warmup_note, schedule_note, validation_note(data.valid, recipe)]
+        notes = [origin and origin.note, warmup_note, schedule_note, validation_note(data.valid, recipe),
+                 epochs_note(data.train, recipe)]
         print("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *filter(None, notes)]), flush=True)
     step = TrainStep(recipe, model, ddp, optimizer, scheduler, data.train, schedule, state.skipped_steps, verbose=is_logger)
     stop = StopCheck(t.exit_duration_in_mins, t.exit_signal_handler, began)  # signals and the time budget
@@ -92,7 +93,7 @@ def train(recipe: Recipe) -> List[dict]:
         saver.wait()
     finally:
         stop.close()
-        log.close()
+        log.close(state)
     saver.finish(state, stop)
     return log.records
 

@@ -218,6 +218,22 @@ def test_corpus_splits_by_document_deterministically(stdlib20, corpus20, tmp_pat
     assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in out.iterdir()}
 
 
+def test_a_text_file_splits_at_blank_lines_or_lines():
+    """Paragraphs (blank lines of any whitespace and line ending between them) or lines, each named
+    by its first line; the text inside a piece kept exactly, its last line ending dropped."""
+    from fbt_megatron.data.documents import split_text
+
+    text = "one\r\ntwo  \r\n \t\r\n\r\nthree\n\n\nfour\n"
+    assert [(d.name, d.text) for d in split_text(text, "f.txt", "blank-line")] == [
+        ("f.txt:1", "one\r\ntwo  "), ("f.txt:5", "three"), ("f.txt:8", "four")]
+    assert [(d.name, d.text) for d in split_text(text, "f.txt", "line")] == [
+        ("f.txt:1", "one"), ("f.txt:2", "two  "), ("f.txt:5", "three"), ("f.txt:8", "four")]
+    assert [(d.name, d.text, d.file) for d in split_text(text, "f.txt", "file")] == [("f.txt", text, "f.txt")]
+    assert {d.file for d in split_text(text, "a/f.txt", "line")} == {"a/f.txt"}
+    with pytest.raises(ValueError, match="at least 2 documents, the source has 1 document: split a text file"):
+        split_documents(["f.txt"], 0.1)
+
+
 def test_split_gives_each_split_a_document():
     assert split_documents(["a", "b"], 1e-9).count(True) == 1
     assert split_documents(["a", "b"], 1 - 1e-9).count(False) == 1

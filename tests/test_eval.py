@@ -219,14 +219,18 @@ def test_eval_tool_writes_the_table(exported, tmp_path, capsys):
     assert code == 0, err[-3000:]
     lines = out.read_text().splitlines()
     table = [line for line in lines if line.startswith("| ")]
-    assert table[0] == "| model | mode | word perplexity ↓ | bits per byte ↓ | next line acc ↑ | next line acc_norm ↑ |"
+    assert table[0] == ("| model | mode | word perplexity ↓ | bits per byte ↓ | next line acc ↑ | next line acc_norm ↑ "
+                        "| own split word perplexity ↓ | own split bits per byte ↓ |")
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[1:]]
     name = Path(run).name  # models are named after their folders
     assert [r[:2] for r in rows] == [[name, "standard"], [name, "soft"], [name, "fused(2)"], ["baseline-export", "standard"]]
     data = json.loads(out.with_suffix(".json").read_text())
-    assert data["columns"] == ["word_perplexity", "bits_per_byte", "acc", "acc_norm"]
-    for row in data["rows"]:
-        assert all(math.isfinite(row[c]) for c in data["columns"]) and 0 <= row["acc"] <= 1
+    assert data["columns"] == ["word_perplexity", "bits_per_byte", "acc", "acc_norm", "split_word_perplexity",
+                               "split_bits_per_byte"]
+    for row in data["rows"]:  # the run also on its own held-out split (the embedded corpus's); an export has none
+        own = row["model"] == name
+        assert all(math.isfinite(row[c]) if own or not c.startswith("split") else row[c] is None for c in data["columns"])
+        assert 0 <= row["acc"] <= 1
     assert data["rows"][0]["bits_per_byte"] != data["rows"][1]["bits_per_byte"]
     # the run was exported with the converter into the cache beside the output
     assert (tmp_path / "results" / "exports" / f"{name}-iter4" / "config.json").is_file()

@@ -261,7 +261,10 @@ def test_cli(trained_runs):
     refused = [
         (("--load", str(folder / "missing"), "--prompt", "x"), "no such run folder"),
         (("--load", runs["fbt"], "--prompt", "x", "--mode", "beam"), "unknown mode"),
-        (("--load", runs["baseline"], "--prompt", "x", "--mode", "soft"), "needs latent feedback"),
+        (("--load", runs["baseline"], "--prompt", "x", "--mode", "soft"),
+         "--mode soft needs latent feedback, and this model has none (latent_feedback false): use --mode standard"),
+        (("--load", runs["fbt"], "--prompt", "x", "--top-p", "0"), "--top-p must be in (0, 1], got 0.0"),  # flags, not
+        (("--load", runs["fbt"], "--prompt", "x", "--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),  # arguments
     ]
     logs = [folder / f"generate{i}.log" for i in range(len(commands) + len(refused))]
     codes = run_commands("fbt_megatron.generate.__main__",

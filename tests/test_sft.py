@@ -2,6 +2,7 @@
 rows against each conversation alone for every pass, bad records, and a run of the entry point."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -162,14 +163,19 @@ def test_sft_run_through_the_entry_point(small_corpus, tmp_path):
               "--load", "null", "--tokenizer-model", small_corpus.tokenizer_path, "--micro-batch-size", "2",
               "--global-batch-size", "4", "--train-iters", "4", "--eval-interval", "4", "--eval-iters", "1",
               "--log-interval", "1", "--lr-warmup-iters", "1"]
-    codes = run_commands("fbt_megatron.train", [
-        ([*common, "--data-path", data, "--corpus", f"sft:{small_corpus.source}", "--save", run], tmp_path / "ok.log", None),
+    codes = run_commands("fbt_megatron.train", [  # 4 steps of 400 (--exit-interval): more rows than the set holds
+        ([*common, "--data-path", data, "--corpus", f"sft:{small_corpus.source}", "--save", run, "--train-iters", "400",
+          "--exit-interval", "4"], tmp_path / "ok.log", None),
         ([*common, "--data-path", "null", "--train-data-path", f"[{bad}]", "--save", tmp_path / "bad"],
          tmp_path / "bad.out", tmp_path / "bad.err"),
     ])
     assert codes == [0, 2], (tmp_path / "ok.log").read_text()[-3000:]
     log = (tmp_path / "ok.log").read_text()
     assert "SFT:" in log and "the chat template of" in log
+    rows = int(re.search(r"SFT: [\d,]+ conversations in ([\d,]+) rows", log).group(1).replace(",", ""))
+    epochs = 1600 / rows  # the repeated set is noted, as a repeated validation split is
+    assert (f"warning: SFT reads 1,600 rows (400 steps × 4) of a set of {rows:,} rows: {epochs:.1f} epochs, every "
+            f"conversation about {epochs:.0f} times; add conversations or lower --train-iters to repeat them less") in log
     manifest = json.loads((data / "sft.json").read_text())
     assert manifest["conversations"]["train"] > 20 and (data / "tokenizer_config.json").is_file()
     records = read_metrics(run)

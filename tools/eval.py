@@ -2,19 +2,26 @@
 
     python tools/eval.py runs/demo/lm/baseline-800 runs/demo/lm/FBT-800 --output runs/demo/eval.md
     python tools/eval.py EXPORT_DIR --modes standard soft 'fused(2)' --limit 20
+    python tools/eval.py runs/mine --corpus data/mine --modes standard
 
 A MODEL is a run folder (exported first with ``python -m fbt_megatron.convert to-hf`` into
 ``--cache``, default ``<output's folder>/exports/<name>-iter<N>``, reused while the run's latest
 checkpoint is the same) or a Hugging Face export folder. Every model is evaluated by lm-eval
 (``fbt_megatron.evaluation``: the ``fbt`` model, offline) on the local tasks built from held-out
-standard-library text (``--tasks-dir``, built on first use):
+standard-library text (``--tasks-dir``, built on first use) and on its own held-out split:
 
   fbt_stdlib_perplexity   word_perplexity and bits_per_byte (lower is better)
   fbt_stdlib_next_line    acc and acc_norm over 4 candidate next lines (higher is better; chance 0.25)
+  fbt_split_perplexity    word_perplexity and bits_per_byte over the docs.valid.jsonl of the corpus a
+                          run was trained on (its recipe's data path) or of --corpus (a prepared
+                          corpus folder: for an export, or to choose another), with the model's tokenizer
 
 in the modes ``--modes`` (default: standard, soft, fused(1), fused(2), fused(3)); a model without
 latent feedback (a baseline) only in standard. One table, rows model × mode, goes to ``--output``
-(markdown) and the same numbers with the details to the ``.json`` beside it.
+(markdown) and the same numbers with the details to the ``.json`` beside it. A model trained on
+another corpus than the standard library gets one warning line that the stdlib tasks measure other
+text; a --corpus prepared with another tokenizer than the model's, one that the model was not
+trained on it.
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ from fbt_megatron.cli import quiet_library_warnings, run_cli  # noqa: E402
 from fbt_megatron.evaluation.local_tasks import DEFAULT_TASKS_FOLDER  # noqa: E402
 
 DEFAULT_MODES = ("standard", "soft", "fused(1)", "fused(2)", "fused(3)")
-COLUMNS = ("word_perplexity", "bits_per_byte", "acc", "acc_norm")
+COLUMNS = ("word_perplexity", "bits_per_byte", "acc", "acc_norm", "split_word_perplexity", "split_bits_per_byte")
 HEADERS = {"word_perplexity": "word perplexity ↓", "bits_per_byte": "bits per byte ↓",
-           "acc": "next line acc ↑", "acc_norm": "next line acc_norm ↑"}
+           "acc": "next line acc ↑", "acc_norm": "next line acc_norm ↑",
+           "split_word_perplexity": "own split word perplexity ↓", "split_bits_per_byte": "own split bits per byte ↓"}
 
 
 @dataclass
@@ -53,6 +61,61 @@ class Model:
     export: str  # the Hugging Face export evaluated
     run_iteration: Optional[int] = None  # the run's checkpoint, when exported from a run
     latent_feedback: bool = True
+    corpus: Optional[str] = None  # the prepared corpus whose held-out split is evaluated
+
+
+def sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def training_corpus(run: Path) -> Optional[Path]:
+    """The prepared corpus folder a run was trained on (its recipe's data path, as given then: from
+    the working directory or the repository), None when it is not one (a task's data, a blend)."""
+    from fbt_megatron.checkpointing import read_train_state
+
+    data_path = read_train_state(str(run)).get("recipe", {}).get("data", {}).get("data_path")
+    if not isinstance(data_path, str):
+        return None
+    for folder in (Path(data_path), ROOT / data_path):
+        if (folder / "corpus.json").is_file():
+            return folder.resolve()
+    return None
+
+
+def corpus_checks(model: Model, corpus: Optional[Path], given: bool) -> tuple:
+    """(the corpus whose held-out split ``model`` is evaluated on or None, warning lines): that
+    the stdlib tasks are not its training text; that a given --corpus is not its own."""
+    own = training_corpus(Path(model.source)) if model.run_iteration is not None else None
+    warnings = []
+    if own is not None and json.loads((own / "corpus.json").read_text())["source"] != "stdlib":
+        warnings.append(f"warning: {model.label} was trained on {own}, not the standard library: the fbt_stdlib_* "
+                        f"columns measure other text; its own held-out split is the 'own split' columns")
+    chosen = corpus if given else own
+    if chosen is None:
+        if model.run_iteration is not None:
+            warnings.append(f"warning: {model.label}: its data path is not a prepared corpus (tools/prepare_corpus.py): "
+                            f"no own-split evaluation; give --corpus DIR")
+        return None, warnings
+    manifest = json.loads((chosen / "corpus.json").read_text())
+    tokenizer, exported = chosen / manifest["tokenizer"], Path(model.export) / "tokenizer.model"
+    if exported.is_file() and tokenizer.is_file() and sha256(exported) != sha256(tokenizer):
+        warnings.append(f"warning: --corpus {chosen} was prepared with another tokenizer than {model.label}'s: the model "
+                        f"was not trained on it (its 'own split' columns measure other text)")
+    elif given and own is not None and own != chosen:
+        warnings.append(f"warning: --corpus {chosen} is not the corpus {model.label} was trained on ({own})")
+    return chosen, warnings
+
+
+def split_tasks(corpus: Path, folder: Path, documents: int):
+    """The ``fbt_split_perplexity`` task of ``corpus`` in a folder of its own under ``folder``."""
+    import hashlib
+
+    from fbt_megatron.evaluation.local_tasks import ensure_split_task
+
+    name = f"{corpus.name}-{hashlib.sha256(str(corpus).encode()).hexdigest()[:8]}"
+    return ensure_split_task(str(folder / name), str(corpus), documents)
 
 
 def is_run_folder(path: Path) -> bool:
@@ -97,12 +160,14 @@ def export_run(run: Path, cache: Path, label: str, log: Path) -> tuple:
     tmp = cache / f".{target.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "fbt_megatron.convert", "to-hf", "--load", str(run), "--output", str(tmp),
+    cmd = [sys.executable, "-m", "fbt_megatron.convert", "to-hf", "--load", str(run.resolve()), "--output", str(tmp.resolve()),
            "--ckpt-step", str(iteration)]
     with open(log, "a") as out:
         out.write("$ " + " ".join(cmd[1:]) + "\n")
         out.flush()
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        # from here: a run's recipe names its data as given where it was trained
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
     if code or not (tmp / "config.json").is_file():
         shutil.rmtree(tmp, ignore_errors=True)
         lines = log.read_text().splitlines()
@@ -117,16 +182,20 @@ def export_run(run: Path, cache: Path, label: str, log: Path) -> tuple:
 def fmt(column: str, value: Optional[float]) -> str:
     if value is None:
         return "–"
-    if column == "word_perplexity":
+    if column.endswith("word_perplexity"):
         return f"{value:,.2f}" if value < 1e4 else f"{value:.3e}"
-    return f"{value:.4f}" if column == "bits_per_byte" else f"{value:.3f}"
+    return f"{value:.4f}" if column.endswith("bits_per_byte") else f"{value:.3f}"
 
 
 def markdown(rows: List[dict], info: dict) -> str:
     head = ["model", "mode", *(HEADERS[c] for c in COLUMNS)]
-    lines = ["# lm-eval on held-out standard-library text", "",
-             f"Tasks: `fbt_stdlib_perplexity` ({info['documents']} documents) and `fbt_stdlib_next_line` "
-             f"({info['questions']} items, 4 choices, chance 0.25), from {info['source']}"
+    from fbt_megatron.cli import plural
+
+    splits = "".join(f"; `fbt_split_perplexity` of {label}: {plural(n, 'piece')} of {corpus}/docs.valid.jsonl"
+                     for label, (corpus, n) in info["splits"].items())
+    lines = ["# lm-eval on held-out text", "",
+             f"Tasks: `fbt_stdlib_perplexity` ({plural(info['documents'], 'document')}) and `fbt_stdlib_next_line` "
+             f"({plural(info['questions'], 'item')}, 4 choices, chance 0.25), from {info['source']}{splits}"
              + (f"; `--limit {info['limit']}` items per task" if info["limit"] else "") + ".",
              "Modes: standard = the plain model; soft = generated positions fed the previous position's state; "
              "fused(n) = n fused passes over the prompt, then soft. A baseline (no latent feedback) has standard only.",
@@ -147,6 +216,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tasks-dir", default=str(DEFAULT_TASKS_FOLDER),
                         help="the local tasks' folder, built there on first use (default data/lm-eval-tasks)")
     parser.add_argument("--documents", type=int, default=40, help="perplexity documents when building the tasks")
+    parser.add_argument("--corpus", default=None,
+                        help="a prepared corpus folder whose held-out split every model is evaluated on (default: a "
+                             "run's own training corpus; an export has none)")
     parser.add_argument("--questions", type=int, default=100, help="next-line items when building the tasks")
     parser.add_argument("--cache", default=None, help="where run folders are exported (default <output folder>/exports)")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -167,9 +239,13 @@ def main(argv=None) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be positive (got {args.batch_size})")
     models = resolve(args.models)
+    corpus = Path(args.corpus).resolve() if args.corpus else None
+    if corpus is not None and not (corpus / "docs.valid.jsonl").is_file():
+        raise FileNotFoundError(f"--corpus {args.corpus}: not a prepared corpus folder (no docs.valid.jsonl; "
+                                f"tools/prepare_corpus.py makes one)")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    cache = Path(args.cache) if args.cache else output.parent / "exports"
+    cache = (Path(args.cache) if args.cache else output.parent / "exports").resolve()
     quiet_library_warnings()
     import torch
 
@@ -188,7 +264,13 @@ def main(argv=None) -> int:
         else:
             export, iteration = path, None
         latent = bool(read_export_config(str(export)).get("latent_feedback", False))
-        resolved.append(Model(label, str(path), str(export), iteration, latent))
+        model = Model(label, str(path), str(export), iteration, latent)
+        model.corpus, warnings = corpus_checks(model, corpus, given=corpus is not None)
+        for line in warnings:
+            tqdm.write(line)
+        resolved.append(model)
+    own = {m.label: split_tasks(Path(m.corpus), output.parent / "split-tasks", args.documents)
+           for m in resolved if m.corpus is not None}
 
     plan = [(m, mode) for m in resolved for mode in (modes if m.latent_feedback else ["standard"])]
     rows, details = [], []
@@ -203,6 +285,8 @@ def main(argv=None) -> int:
                                                           backend=args.backend)
             start = time.perf_counter()
             results = evaluator.evaluate(mode, tasks, limit=args.limit)
+            if m.label in own:
+                results.update(evaluator.evaluate(mode, own[m.label], limit=args.limit))
             row = {"model": m.label, "mode": mode, **table_row(results)}
             rows.append(row)
             details.append({**row, "source": m.source, "export": m.export, "iteration": m.run_iteration, "backend": args.backend,
@@ -210,7 +294,8 @@ def main(argv=None) -> int:
             bar.update(1)
         del evaluator
     bar.close()
-    info = {"documents": tasks.documents, "questions": tasks.questions, "source": source, "limit": args.limit}
+    info = {"documents": tasks.documents, "questions": tasks.questions, "source": source, "limit": args.limit,
+            "splits": {m.label: (m.corpus, own[m.label].documents) for m in resolved if m.label in own}}
     output.write_text(markdown(rows, info))
     json_path = output.with_suffix(".json")
     json_path.write_text(json.dumps({"columns": list(COLUMNS), "rows": rows, "tasks": {**info, "folder": tasks.folder},

@@ -1,6 +1,7 @@
 """Prepare a training corpus folder offline: split documents, train a tokenizer, tokenize.
 
     python tools/prepare_corpus.py --source stdlib --output data/stdlib-sp2048 --vocab-size 2048
+    python tools/prepare_corpus.py --source notes.txt --output data/notes --vocab-size 1024
 """
 
 from __future__ import annotations
@@ -8,13 +9,17 @@ from __future__ import annotations
 import argparse
 import os
 
-from fbt_megatron.cli import run_cli
+from fbt_megatron.cli import plural, run_cli
+from fbt_megatron.data.documents import SPLITS
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="stdlib",
-                        help="'stdlib' (this Python's standard library), a folder of text files or a JSONL file")
+                        help="'stdlib' (this Python's standard library), a text file, a folder of text files or a JSONL file")
+    parser.add_argument("--split-documents", choices=SPLITS, default=None,
+                        help="how text files become documents: file (one each), blank-line (paragraphs), line "
+                             "(default: blank-line for a text file given alone, file for a folder's files)")
     parser.add_argument("--output", required=True, help="the corpus folder to create")
     parser.add_argument("--vocab-size", type=int, default=2048, help="of the sentencepiece tokenizer trained on train")
     parser.add_argument("--tokenizer", help="use this tokenizer file (copied in) instead of training one")
@@ -25,9 +30,9 @@ def main(argv=None) -> int:
     from fbt_megatron.data.corpus import prepare_corpus
 
     corpus = prepare_corpus(args.source, args.output, args.vocab_size, args.valid_fraction, args.tokenizer,
-                            args.workers, json_key=args.json_key)
+                            args.workers, json_key=args.json_key, split_documents=args.split_documents)
     for split in corpus.documents:
-        print(f"{split}: {corpus.documents[split]:,} documents, {corpus.tokens[split]:,} tokens")
+        print(f"{split}: {plural(corpus.documents[split], 'document')}, {plural(corpus.tokens[split], 'token')}")
     print(f"tokenizer: {corpus.tokenizer_path}")
     return 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from fbt_megatron.cli import run_cli
+from fbt_megatron.cli import plural, run_cli
 
 
 def main(argv=None) -> int:
@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     from fbt_megatron.data.preprocess import preprocess
 
     counts = preprocess(args.input, args.tokenizer, args.output_prefix, args.json_key, args.workers)
-    print(f"{args.output_prefix}.bin/.idx: {counts['documents']:,} documents, {counts['tokens']:,} tokens")
+    print(f"{args.output_prefix}.bin/.idx: {plural(counts['documents'], 'document')}, {plural(counts['tokens'], 'token')}")
     return 0
 
 

@@ -6,11 +6,13 @@
     train_text_document.bin/.idx, valid_text_document.bin/.idx    the tokenized splits
 
 The source is ``"stdlib"`` (this Python's standard library ``.py`` files without tests and
-site-packages: code, available everywhere) or a folder of text files or a JSONL file. The split
-is by document and deterministic: a document goes to valid when the SHA-256 of its name (its
-relative path, or "file.jsonl:LINE") falls below `valid_fraction`; each split gets at least one.
-The folder is written whole (``folders.atomic_folder``); a folder that is there and not empty is never
-modified.
+site-packages: code, available everywhere), a text file, a folder of text files or a JSONL file.
+Text files are split into documents by `split_documents` (``documents.SPLITS``; default: a text
+file given alone by blank lines, the files of a folder or the standard library one document each).
+The split is by document and deterministic: a document goes to valid when the SHA-256 of its name
+(its relative path, or "file:LINE") falls below `valid_fraction`; each split gets at least one.
+Degenerate splits are warned about, one line each (``split_warnings``). The folder is written
+whole (``folders.atomic_folder``); a folder that is there and not empty is never modified.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Iterator
 
+from fbt_megatron.data.documents import SPLITS as DOCUMENT_SPLITS
 from fbt_megatron.data.documents import Document, iter_documents, list_files, progress, read_file
 from fbt_megatron.data.preprocess import preprocess
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.data.tokenizer_training import train_tokenizer
+from fbt_megatron.cli import plural
 from fbt_megatron.folders import atomic_folder
 
 STDLIB = "stdlib"
@@ -46,10 +50,16 @@ class Corpus:
     tokens: dict[str, int]  # per split, EOD included
 
 
-def source_documents(source: str, json_key: str = "text") -> Iterator[Document]:
+def default_split(source: str) -> str:
+    """How a source's text files become documents unless chosen: a text file alone by blank lines,
+    the files of a folder (and the standard library's) one document each."""
+    return "blank-line" if os.path.isfile(source) and not source.endswith(".jsonl") else "file"
+
+
+def source_documents(source: str, json_key: str = "text", split: str = "file") -> Iterator[Document]:
     """The documents of a corpus source, in a fixed order."""
     if source != STDLIB:
-        yield from iter_documents([source], json_key)
+        yield from iter_documents([source], json_key, split)
         return
     root = sysconfig.get_paths()["stdlib"]
     for path in list_files(root, (".py",), STDLIB_SKIP):
@@ -59,7 +69,8 @@ def source_documents(source: str, json_key: str = "text") -> Iterator[Document]:
 def split_documents(names: list[str], valid_fraction: float) -> list[bool]:
     """Whether each document goes to the valid split (see the module docstring)."""
     if len(names) < 2:
-        raise ValueError(f"a train/valid split needs at least 2 documents, the source has {len(names)}")
+        raise ValueError(f"a train/valid split needs at least 2 documents, the source has {plural(len(names), 'document')}: "
+                         f"split a text file into documents with --split-documents blank-line (paragraphs) or line")
     position = [int.from_bytes(hashlib.sha256(n.encode()).digest()[:8], "big") / 2**64 for n in names]
     valid = [p < valid_fraction for p in position]
     if not any(valid):
@@ -67,6 +78,34 @@ def split_documents(names: list[str], valid_fraction: float) -> list[bool]:
     if all(valid):
         valid[position.index(max(position))] = False
     return valid
+
+
+def split_warnings(documents: list[tuple[str, int]], valid: list[bool]) -> list[str]:
+    """One line for each way the split of ``documents`` [(file, characters)] is degenerate: a
+    single training document, a validation split larger than training, validation text mostly
+    from one file that training has none of and that holds a tenth of the corpus or more (another
+    source, not one file among many)."""
+    train = [d for d, v in zip(documents, valid) if not v]
+    held = [d for d, v in zip(documents, valid) if v]
+    size = {name: sum(n for _, n in split) for name, split in (("train", train), ("valid", held))}
+    fix = "split the files into more documents (--split-documents blank-line or line) or add text"
+    out = []
+    if len(train) == 1:
+        out.append(f"warning: the train split is 1 document ({train[0][0]}): {fix}")
+    if size["valid"] > size["train"]:
+        out.append(f"warning: the valid split ({size['valid']:,} characters) is larger than the train split "
+                   f"({size['train']:,}): {fix}, or lower --valid-fraction")
+    trained = {f for f, _ in train}
+    unseen = {}
+    for f, n in held:
+        if f not in trained:
+            unseen[f] = unseen.get(f, 0) + n
+    total = size["train"] + size["valid"]
+    if unseen and max(unseen.values()) > max(size["valid"] / 2, total / 10):  # a file of many held out whole
+        f = max(unseen, key=unseen.get)
+        out.append(f"warning: {100 * unseen[f] / size['valid']:.0f}% of the valid split comes from {f}, which has no "
+                   f"training document: validation measures another source than training; {fix}")
+    return out
 
 
 def _manifest(folder: str) -> dict:
@@ -96,9 +135,12 @@ def load_corpus(folder: str) -> Corpus:
     )
 
 
-def _settings(source: str, vocab_size: int, valid_fraction: float, tokenizer: str | None, json_key: str) -> dict:
+def _settings(source: str, vocab_size: int, valid_fraction: float, tokenizer: str | None, json_key: str,
+              split: str | None) -> dict:
     if source != STDLIB and not os.path.exists(source):
-        raise FileNotFoundError(f"source {source} does not exist (a folder, a JSONL file or 'stdlib')")
+        raise FileNotFoundError(f"source {source} does not exist (a text file, a folder, a JSONL file or 'stdlib')")
+    if split is not None and split not in DOCUMENT_SPLITS:
+        raise ValueError(f"--split-documents {split!r}: choose one of {', '.join(DOCUMENT_SPLITS)}")
     if tokenizer is None and vocab_size <= 0:
         raise ValueError(f"vocab size must be positive (got {vocab_size})")
     if not 0 < valid_fraction < 1:
@@ -109,6 +151,7 @@ def _settings(source: str, vocab_size: int, valid_fraction: float, tokenizer: st
         "valid_fraction": valid_fraction,
         "vocab_size": vocab_size if tokenizer is None else None,
         "tokenizer_sha256": None if tokenizer is None else load_tokenizer(tokenizer).sha256,
+        "split_documents": split or default_split(source),
     }
 
 
@@ -121,6 +164,7 @@ def _existing(output: str, settings: dict, flag: str, hint: str) -> Corpus | Non
         corpus, prepared = load_corpus(output), _manifest(output)["settings"]
     except ValueError as e:
         raise ValueError(f"{flag} {e}; {hint}") from None
+    prepared.setdefault("split_documents", "file")  # prepared before text files could be split
     changed = [f"{k} {prepared.get(k)!r} → {v!r}" for k, v in settings.items() if prepared.get(k) != v]
     if changed:
         raise ValueError(f"{flag} {output} holds a corpus prepared with other settings ({', '.join(changed)}); {hint}")
@@ -128,12 +172,14 @@ def _existing(output: str, settings: dict, flag: str, hint: str) -> Corpus | Non
 
 
 def _build(folder: str, settings: dict, tokenizer: str | None, workers: int, show_progress: bool) -> None:
-    source, json_key = settings["source"], settings["json_key"]
-    names = [d.name for d in progress(source_documents(source, json_key), "scan", show_progress)]
-    in_valid = split_documents(names, settings["valid_fraction"])
+    source, json_key, split = settings["source"], settings["json_key"], settings["split_documents"]
+    scanned = [(d.name, d.file, len(d.text)) for d in progress(source_documents(source, json_key, split), "scan", show_progress)]
+    in_valid = split_documents([name for name, _, _ in scanned], settings["valid_fraction"])
+    for line in split_warnings([(file, size) for _, file, size in scanned], in_valid):
+        print(line, flush=True)
     docs = {s: os.path.join(folder, f"docs.{s}.jsonl") for s in SPLITS}
     with open(docs["train"], "w", encoding="utf-8") as train, open(docs["valid"], "w", encoding="utf-8") as valid:
-        documents = progress(source_documents(source, json_key), "split", show_progress, total=len(names))
+        documents = progress(source_documents(source, json_key, split), "split", show_progress, total=len(scanned))
         for doc, is_valid in zip(documents, in_valid):
             record = json.dumps({"name": doc.name, "text": doc.text}, ensure_ascii=False)
             (valid if is_valid else train).write(record + "\n")
@@ -175,13 +221,15 @@ def prepare_corpus(
     json_key: str = "text",
     flag: str = "--output",
     hint: str = "choose another --output or remove it",
+    split_documents: str | None = None,
 ) -> Corpus:
     """Prepare the corpus folder `output` from `source`, with a sentencepiece tokenizer of
-    `vocab_size` trained on the train documents, or a copy of the `tokenizer` file. Does nothing
+    `vocab_size` trained on the train documents, or a copy of the `tokenizer` file; text files
+    split into documents by `split_documents` (None: ``default_split``). Does nothing
     (and says so) when `output` already holds the corpus prepared with the same settings; anything
     else is an error naming `output` as `flag` and ending in `hint`."""
     output = os.path.abspath(output)
-    settings = _settings(source, vocab_size, valid_fraction, tokenizer, json_key)
+    settings = _settings(source, vocab_size, valid_fraction, tokenizer, json_key, split_documents)
     corpus = _existing(output, settings, flag, hint)
     if corpus is not None:
         if show_progress:

@@ -1,9 +1,11 @@
 """Documents from text files, folders and JSONL files: the one reader of raw text.
 
 A ``.jsonl`` file holds one document per line (a JSON object, the text under `json_key`); any
-other file is one document, read as UTF-8 with its line endings kept exactly. A folder is read
-recursively in sorted order, skipping hidden entries and ``__pycache__``. Empty documents are
-skipped; inputs without any document are an error.
+other file is read as UTF-8 with its line endings kept exactly and split into documents by
+`split` (``SPLITS``): ``file`` one document, ``blank-line`` one per paragraph (lines between
+blank lines), ``line`` one per line; a piece of a file is named "file.txt:LINE" (its first line).
+A folder is read recursively in sorted order, skipping hidden entries and ``__pycache__``. Empty
+documents are skipped; inputs without any document are an error.
 """
 
 from __future__ import annotations
@@ -16,10 +18,18 @@ from typing import Iterable, Iterator
 from tqdm import tqdm
 
 
+SPLITS = ("file", "blank-line", "line")  # how a text file is split into documents
+
+
 @dataclass(frozen=True)
 class Document:
-    name: str  # the file's path relative to the input folder, or "file.jsonl:LINE"
+    name: str  # the file's path relative to the input folder, or "file:LINE" (a JSONL line, a piece of a text file)
     text: str
+
+    @property
+    def file(self) -> str:
+        """The name of the file the document comes from."""
+        return self.name.rsplit(":", 1)[0] if self.name.rsplit(":", 1)[-1].isdigit() else self.name
 
 
 def list_files(folder: str, suffixes: tuple[str, ...] | None = None, skip_dirs: Iterable[str] = ()) -> list[str]:
@@ -37,14 +47,31 @@ def list_files(folder: str, suffixes: tuple[str, ...] | None = None, skip_dirs: 
     return sorted(files)
 
 
-def read_file(path: str, name: str, json_key: str = "text") -> Iterator[Document]:
-    """The documents of one file: one per JSONL line, or the whole file."""
+def split_text(text: str, name: str, split: str) -> Iterator[Document]:
+    """The documents of a text file's content (see the module docstring)."""
+    if split == "file":
+        if text:
+            yield Document(name, text)
+        return
+    if split not in SPLITS:
+        raise ValueError(f"--split-documents {split!r}: choose one of {', '.join(SPLITS)}")
+    lines, start, piece = text.splitlines(keepends=True), 0, []
+    for number, line in enumerate([*lines, ""], 1):
+        blank = not line.strip()
+        if piece and (blank or split == "line"):
+            yield Document(f"{name}:{start}", "".join(piece).rstrip("\r\n"))
+            piece = []
+        if not blank:
+            start = number if not piece else start
+            piece.append(line)
+
+
+def read_file(path: str, name: str, json_key: str = "text", split: str = "file") -> Iterator[Document]:
+    """The documents of one file: one per JSONL line, or the file's text split by ``split``."""
     try:
         if not path.endswith(".jsonl"):
             with open(path, encoding="utf-8", newline="") as f:
-                text = f.read()
-            if text:
-                yield Document(name, text)
+                yield from split_text(f.read(), name, split)
             return
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -68,9 +95,9 @@ def _json_text(line: str, key: str, where: str) -> str:
     return record[key]
 
 
-def iter_documents(inputs: list[str], json_key: str = "text") -> Iterator[Document]:
-    """The documents of `inputs` (files or folders) in order; a missing input or no document at
-    all is an error."""
+def iter_documents(inputs: list[str], json_key: str = "text", split: str = "file") -> Iterator[Document]:
+    """The documents of `inputs` (files or folders) in order, text files split by ``split``; a
+    missing input or no document at all is an error."""
     found = False
     for path in inputs:
         if os.path.isdir(path):
@@ -80,7 +107,7 @@ def iter_documents(inputs: list[str], json_key: str = "text") -> Iterator[Docume
         else:
             raise FileNotFoundError(f"input {path} does not exist")
         for file, name in files:
-            for doc in read_file(file, name, json_key):
+            for doc in read_file(file, name, json_key, split):
                 found = True
                 yield doc
     if not found:

@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from fbt_megatron.cli import run_cli
+from fbt_megatron.cli import plural, run_cli
 from fbt_megatron.evaluation.local_tasks import DEFAULT_TASKS_FOLDER, TASKS, build_tasks, ensure_tasks
 
 
@@ -69,8 +69,10 @@ def _backend(args: List[str]) -> tuple:
 def lm_eval_main(args: List[str]) -> int:
     """lm-eval's CLI on ``args`` with the ``fbt`` model registered and the environment offline."""
     from fbt_megatron.evaluation.env import offline_environment
+    from fbt_megatron.evaluation.harness import one_truncation_warning
 
     offline_environment()
+    one_truncation_warning()
     args, backend = _backend(args)
     if backend == "vllm":
         import fbt_megatron.evaluation.vllm_lm  # noqa: F401  (registers --model fbt-vllm)
@@ -105,7 +107,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     built = build_tasks(args.output, args.documents, args.questions, args.max_chars, args.corpus)
-    print(f"{built.folder}: {built.names[0]} ({built.documents} documents), {built.names[1]} ({built.questions} items); "
+    print(f"{built.folder}: {built.names[0]} ({plural(built.documents, 'document')}), "
+          f"{built.names[1]} ({plural(built.questions, 'item')}); "
           f"lm-eval ... --include_path {built.folder} --tasks {','.join(built.names)}")
     return 0
 

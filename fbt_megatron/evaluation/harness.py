@@ -11,7 +11,7 @@ from typing import Dict, Iterable, Optional
 from unittest import mock
 
 from fbt_megatron.evaluation.env import offline_environment
-from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, LocalTasks
+from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, SPLIT_PERPLEXITY, LocalTasks
 
 # (task, lm-eval metric key, column name) of the table
 METRICS = (
@@ -19,6 +19,8 @@ METRICS = (
     (PERPLEXITY, "bits_per_byte,none", "bits_per_byte"),
     (NEXT_LINE, "acc,none", "acc"),
     (NEXT_LINE, "acc_norm,none", "acc_norm"),
+    (SPLIT_PERPLEXITY, "word_perplexity,none", "split_word_perplexity"),
+    (SPLIT_PERPLEXITY, "bits_per_byte,none", "split_bits_per_byte"),
 )
 
 
@@ -47,6 +49,32 @@ def quiet_lm_eval() -> None:
     datasets.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+
+
+class OneTruncationWarning(logging.Filter):
+    """Lets the first of lm-eval's per-request "Truncating ... tokens from the left" warnings
+    through, saying that later ones are not shown, and drops the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "tokens from the left" not in record.getMessage():
+            return True
+        if self.seen:
+            return False
+        self.seen = True
+        record.msg, record.args = (record.getMessage() + " (contexts longer than the model are cut from the left; "
+                                   "later truncations are not reported)"), ()
+        return True
+
+
+def one_truncation_warning() -> None:
+    """At most one truncation line from lm-eval's ``hf`` model for the rest of this process."""
+    logger = logging.getLogger("lm_eval.models.huggingface")
+    if not any(isinstance(f, OneTruncationWarning) for f in logger.filters):
+        logger.addFilter(OneTruncationWarning())
 
 
 BACKENDS = ("hf", "vllm")

@@ -16,8 +16,13 @@ Two tasks, written with their data to one folder that lm-eval reads with ``--inc
 
     python -m fbt_megatron.evaluation tasks --output DIR [--documents 40] [--questions 100]
 
+A third task, ``fbt_split_perplexity``, is the same perplexity over the held-out split of any
+prepared corpus (``ensure_split_task``: the split of the corpus a run was trained on, for
+``tools/eval.py``), in a folder of its own.
+
 The files: ``perplexity.jsonl``, ``next_line.jsonl``, one YAML per task (``dataset_path: json``
-with the absolute path of its data file) and ``tasks.json`` (what was built from what).
+with the absolute path of its data file; every metric with its aggregation and direction, so
+lm-eval loads them without a warning) and ``tasks.json`` (what was built from what).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ DEFAULT_CORPUS = ROOT / "data" / "stdlib-sp2048"
 DEFAULT_TASKS_FOLDER = ROOT / "data" / "lm-eval-tasks"  # where the tools build them on first use
 PERPLEXITY, NEXT_LINE = "fbt_stdlib_perplexity", "fbt_stdlib_next_line"
 TASKS = (PERPLEXITY, NEXT_LINE)
+SPLIT_PERPLEXITY = "fbt_split_perplexity"  # a prepared corpus's held-out split (ensure_split_task)
 MANIFEST = "tasks.json"
-FORMAT = 1  # bump when the built files change for the same settings
+FORMAT = 2  # bump when the built files change for the same settings
 SEED = 20261130
 CHOICES = 4
 
@@ -158,7 +164,7 @@ def next_line_questions(docs: Sequence[tuple], count: int, seed: int = SEED) -> 
 
 # ---------------------------------------------------------------- the files lm-eval reads
 def _yaml(task: str, data_file: Path, body: str) -> str:
-    return (f"# built by fbt_megatron.evaluation.local_tasks (held-out standard-library text)\n"
+    return (f"# built by fbt_megatron.evaluation.local_tasks (held-out text)\n"
             f"task: {task}\n"
             f"dataset_path: json\n"
             f"dataset_kwargs:\n"
@@ -172,8 +178,14 @@ doc_to_text: ""
 doc_to_target: text
 metric_list:
   - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: byte_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
 metadata:
   version: 1.0
 """
@@ -230,17 +242,46 @@ def _settings(documents: int, questions: int, max_chars: int, corpus: Optional[s
             "corpus": None if corpus is None else str(Path(corpus).resolve())}
 
 
+def build_split_task(output: str, corpus: str, documents: int = 40, max_chars: int = 1200) -> LocalTasks:
+    """Write ``fbt_split_perplexity`` over the held-out split of the prepared ``corpus`` to ``output``."""
+    if documents < 1:
+        raise ValueError(f"--documents must be positive (got {documents})")
+    docs, source = held_out_documents(corpus)
+    folder = Path(output).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    ppl = perplexity_documents(docs, documents, max_chars)
+    _write_jsonl(folder / "perplexity.jsonl", ppl)
+    (folder / f"{SPLIT_PERPLEXITY}.yaml").write_text(_yaml(SPLIT_PERPLEXITY, folder / "perplexity.jsonl", PERPLEXITY_YAML))
+    manifest = {"format": FORMAT, "source": source, "held_out_documents": len(docs),
+                "settings": _settings(documents, 0, max_chars, corpus), "tasks": {SPLIT_PERPLEXITY: len(ppl)}}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return LocalTasks(str(folder), (SPLIT_PERPLEXITY,), len(ppl), 0)
+
+
+def _built(folder: str, settings: dict, names: tuple, data: str) -> Optional[LocalTasks]:
+    """The tasks ``names`` in ``folder`` when they were built there with ``settings`` (their data
+    file ``data`` where the YAML says), else None."""
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST).read_text())
+        files = all((Path(folder) / f).is_file() for f in (data, *(f"{t}.yaml" for t in names)))
+        where = json.dumps(str(Path(folder).resolve() / data))
+        if manifest.get("format") == FORMAT and manifest.get("settings") == settings and files \
+                and where in (Path(folder) / f"{names[-1]}.yaml").read_text():
+            counts = manifest["tasks"]
+            return LocalTasks(str(Path(folder).resolve()), names, counts[names[0]], counts.get(NEXT_LINE, 0))
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
 def ensure_tasks(folder: str, documents: int = 40, questions: int = 100, max_chars: int = 1200,
                  corpus: Optional[str] = None) -> LocalTasks:
     """The tasks in ``folder``, built there first if missing or built with other settings."""
-    path = Path(folder) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-        same = manifest.get("format") == FORMAT and manifest.get("settings") == _settings(documents, questions, max_chars, corpus)
-        files = all((Path(folder) / f).is_file() for f in ("perplexity.jsonl", "next_line.jsonl", *(f"{t}.yaml" for t in TASKS)))
-        where = str(Path(folder).resolve() / "next_line.jsonl")
-        if same and files and json.dumps(where) in (Path(folder) / f"{NEXT_LINE}.yaml").read_text():
-            return LocalTasks(str(Path(folder).resolve()), TASKS, manifest["tasks"][PERPLEXITY], manifest["tasks"][NEXT_LINE])
-    except (OSError, ValueError, KeyError):
-        pass
-    return build_tasks(folder, documents, questions, max_chars, corpus)
+    return (_built(folder, _settings(documents, questions, max_chars, corpus), TASKS, "next_line.jsonl")
+            or build_tasks(folder, documents, questions, max_chars, corpus))
+
+
+def ensure_split_task(folder: str, corpus: str, documents: int = 40, max_chars: int = 1200) -> LocalTasks:
+    """``fbt_split_perplexity`` of ``corpus`` in ``folder``, built there first if missing or built otherwise."""
+    return (_built(folder, _settings(documents, 0, max_chars, corpus), (SPLIT_PERPLEXITY,), "perplexity.jsonl")
+            or build_split_task(folder, corpus, documents, max_chars))

@@ -67,7 +67,8 @@ def _ids(text: str) -> List[int]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from fbt_megatron.cli import quiet_library_warnings
+    from fbt_megatron.cli import plural, quiet_library_warnings
+    from fbt_megatron.errors import ArgumentError
     from fbt_megatron.generate.decoding import generate
     from fbt_megatron.runs import describe, load_run
 
@@ -84,10 +85,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     prompts = [tokenizer.tokenize(text) for text in args.prompt] + [_ids(text) for text in args.prompt_ids]
     eod = getattr(tokenizer, "eod", None)
     stops = () if args.ignore_eod or eod is None else (eod,)
-    result = generate(run.model, prompts, mode=mode, fused_passes=args.fused_passes,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                      stop_tokens=stops, seed=args.seed, tolerance=args.tolerance, max_passes=args.max_passes,
-                      use_cache=not args.no_cache, max_length=args.max_length, vocab_size=tokenizer.vocab_size)
+    try:
+        result = generate(run.model, prompts, mode=mode, fused_passes=args.fused_passes,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          stop_tokens=stops, seed=args.seed, tolerance=args.tolerance, max_passes=args.max_passes,
+                          use_cache=not args.no_cache, max_length=args.max_length, vocab_size=tokenizer.vocab_size)
+    except ArgumentError as e:  # generate's arguments are this command's flags
+        raise ValueError(e.flags()) from None
     print(f"# {describe(run)}")
     name = f"fused({args.fused_passes})" if mode == "fused" else mode
     passes = f"{result.prefill_passes} prefill pass{'es' if result.prefill_passes > 1 else ''}"
@@ -100,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for i, (prompt, generated) in enumerate(zip(prompts, result.tokens), start=1):
         ended = bool(generated) and generated[-1] in stops
         body = generated[:-1] if ended else generated
-        print(f"--- {i} ({len(generated)} tokens{', end of document' if ended else ''})")
+        print(f"--- {i} ({plural(len(generated), 'token')}{', end of document' if ended else ''})")
         if hasattr(tokenizer, "detokenize"):
             print(tokenizer.detokenize(prompt + body))
         else:

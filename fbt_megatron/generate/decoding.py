@@ -37,6 +37,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from fbt_megatron import decode_modes
+from fbt_megatron.errors import ArgumentError
 from fbt_megatron.fbt import Feedback, fuse_mask
 
 MODES = (*decode_modes.MODES, "adaptive")
@@ -75,11 +76,11 @@ def generate(
     ``seq_length``; RoPE itself goes further) bounds prompt + generation; ``vocab_size`` restricts
     the choice to the first ids (the tokenizer's, the embedding being padded)."""
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise ArgumentError(f"{{max_new_tokens}} must be >= 1, got {max_new_tokens}", "max_new_tokens")
     if temperature < 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+        raise ArgumentError(f"{{temperature}} must be >= 0 (0: greedy), got {temperature}", "temperature")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise ArgumentError(f"{{top_p}} must be in (0, 1], got {top_p}", "top_p")
     prompts = _check_prompts(model, prompts, [max_new_tokens] * len(prompts), max_length, "generation")
     stops = set(int(x) for x in stop_tokens)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
@@ -144,8 +145,8 @@ def _check_prompts(model, prompts, extra: List[int], max_length: Optional[int], 
         if min(p) < 0 or max(p) >= vocab:
             raise ValueError(f"prompt {i} holds a token id outside the model's vocabulary [0, {vocab})")
         if len(p) + n > limit:
-            raise ValueError(f"prompt {i}: {what} of {len(p)} + {n} tokens is longer than the maximum length "
-                             f"{limit} (the model's seq_length; pass max_length to go beyond it)")
+            raise ArgumentError(f"prompt {i}: {what} of {len(p)} + {n} tokens is longer than the maximum length "
+                                f"{limit} (the model's seq_length; {{max_length}} goes beyond it)", "max_length")
     return prompts
 
 
@@ -165,17 +166,17 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
 def _pass_count(model, mode: str, fused_passes: int, tolerance: float, max_passes: int) -> Optional[int]:
     """The number of prefill passes, None for adaptive (decided while prefilling)."""
     if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        raise ArgumentError(f"{{mode}} {mode}: unknown mode; choose one of {', '.join(MODES)}", "mode")
     if mode != "standard" and not model.config.latent_feedback:
-        raise ValueError(f"mode {mode!r} needs latent feedback, and this model has none (latent_feedback false): "
-                         "use mode 'standard'")
+        raise ArgumentError(f"{{mode}} {mode} needs latent feedback, and this model has none (latent_feedback false): "
+                            "use {mode} standard", "mode")
     if fused_passes < 0:
-        raise ValueError(f"fused_passes must be >= 0, got {fused_passes}")
+        raise ArgumentError(f"{{fused_passes}} must be >= 0, got {fused_passes}", "fused_passes")
     if mode == "adaptive":
         if max_passes < 1:
-            raise ValueError(f"max_passes must be >= 1, got {max_passes}")
+            raise ArgumentError(f"{{max_passes}} must be >= 1, got {max_passes}", "max_passes")
         if not tolerance > 0:
-            raise ValueError(f"tolerance must be > 0, got {tolerance}")
+            raise ArgumentError(f"{{tolerance}} must be > 0, got {tolerance}", "tolerance")
         return None
     return fused_passes + 1 if mode == "fused" else 1
 

@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from fbt_megatron import flags
+from fbt_megatron.cli import plural
 from fbt_megatron.errors import RecipeError
 from fbt_megatron.recipe import Recipe
 
@@ -100,7 +101,7 @@ def describe_schedule(schedule: dict, train_iters: int) -> str:
     """The learning-rate curve in words, e.g. "warmup to 3.0e-03 over 20 steps, constant to step
     600, linear decay to 0.0e+00 at step 800"."""
     s, end = schedule, schedule["train_iters"]
-    parts = [f"warmup to {s['lr']:.1e} over {s['lr_warmup_iters']} steps" if s["lr_warmup_iters"] else f"{s['lr']:.1e} from step 1"]
+    parts = [f"warmup to {s['lr']:.1e} over {plural(s['lr_warmup_iters'], 'step')}" if s["lr_warmup_iters"] else f"{s['lr']:.1e} from step 1"]
     if s["lr_decay_style"] == "WSD":
         parts += [f"constant to step {end - _wsd_decay_iters(s)}", f"{s['lr_wsd_decay_style']} decay to {s['min_lr']:.1e} at step {end}"]
     elif s["lr_decay_style"] == "constant":

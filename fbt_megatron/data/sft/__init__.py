@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import List
 
+from fbt_megatron.cli import plural
 from fbt_megatron.data.sft.chat import ChatEncoder, chat_template, read_conversations
 from fbt_megatron.data.sft.packing import SFTDataset
 from fbt_megatron.data.sft.tiny_set import ensure_sft_set, set_files, set_source
@@ -42,7 +43,7 @@ def load_sft_data(d, seed: int, report: bool = True):
     for paths, split_seed in ((train, seed), (valid, seed + 1)):
         conversations = [c for p in paths for c in read_conversations(p, encoder, d.seq_length, d.sft_skip_bad_records, report)]
         splits.append(SFTDataset(conversations, d.seq_length, split_seed, tokenizer.pad))
-    described = (f"{source} (SFT: {len(splits[0].conversations):,} conversations in {len(splits[0]):,} rows, "
+    described = (f"{source} (SFT: {plural(len(splits[0].conversations), 'conversation')} in {plural(len(splits[0]), 'row')}, "
                  f"{splits[0].tokens / (len(splits[0]) * d.seq_length):.0%} filled; {encoder.source}; "
                  f"prefix mixin: {d.sft_prefix_mixin})")
     return tokenizer, splits[0], splits[1], described
