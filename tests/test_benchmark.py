@@ -57,3 +57,14 @@ def test_bad_flags_are_one_error_line():
         done = run(*flags)
         assert done.returncode == 2, (flags, done.stderr)
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, (flags, done.stderr)
+
+
+def test_serving_needs_vllm():
+    """--serving (tools/benchmarks/serving.py) runs where vLLM is installed (make serve-setup); here it is one line."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: --serving would run the benchmark (docs/serving.md)")
+    done = run("--serving")
+    assert done.returncode == 2 and done.stderr.startswith("error: --serving needs vLLM"), done.stderr
+    assert done.stderr.count("\n") == 1 and "pip install -r requirements-serve.txt" in done.stderr

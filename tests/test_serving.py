@@ -4,8 +4,9 @@ Every output is checked against the HF export's own code (``generate`` / ``decod
 ``modeling_fbt.py`` loaded with ``trust_remote_code``): greedy tokens equal token for token and
 log-probabilities within 1e-4, for batches mixing standard, soft and fused(2) requests of prompt
 lengths 3 … 40 past the sliding window (16), both feedback sources, under continuous batching with
-a KV cache small enough to preempt, chunked prefill, prefix caching, 100 requests through 4 slots,
-``vllm serve`` with the ``openai`` client, and lm-eval's vLLM backend against the HF ``fbt`` model.
+a KV cache small enough to preempt, chunked prefill (on an engine whose default mode
+``--hf-overrides`` sets), prefix caching, 100 requests through 4 slots, ``vllm serve`` with the
+``openai`` client, and lm-eval's vLLM backend against the HF ``fbt`` model.
 
 Engine starts are few (they take ~15 s on an idle machine): one offline engine per feedback source,
 one server, one lm-eval engine. The module is skipped only when vLLM is not installed
@@ -244,19 +245,27 @@ def test_soft_on_a_baseline_is_refused_at_admission():
         engine_module._CURRENT = saved
 
 
-def test_chunked_prefill_final_norm_feedback(llm, exports):
+def test_chunked_prefill_final_norm_feedback_and_hf_overrides(llm, exports):
     """The final-norm export with chunked prefill and a 16-token budget: prompts of up to 40
     tokens arrive in chunks; standard and soft equal HF; fused(n) is refused in one line (it needs
-    the whole prompt in one step) and the engine keeps serving."""
+    the whole prompt in one step) and the engine keeps serving. The same engine is started with
+    ``hf_overrides={"decode_mode": "soft"}`` (``--hf-overrides``): requests that name no mode decode
+    soft, requests that name standard stay standard."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
     llm.llm_engine.engine_core.shutdown()  # one engine at a time on the 2-core machine
-    chunked = engine(exports["final_norm"], enable_chunked_prefill=True, max_num_batched_tokens=16)
+    chunked = engine(exports["final_norm"], enable_chunked_prefill=True, max_num_batched_tokens=16,
+                     hf_overrides={"decode_mode": "soft"})
     try:
         reference = Reference(exports["final_norm"])
         requests = mixed(modes=MODES[:2], seed=10)
         assert_equal(reference, requests, run(chunked, requests), "chunked prefill (final_norm)")
+        # the overridden default: no decode_mode is soft (which differs from standard for these prompts)
+        plain = [p for p, _ in requests[::2]]
+        assert any(reference.generate(p, MODES[0])[0] != reference.generate(p, MODES[1])[0] for p in plain)
+        assert_equal(reference, [(p, MODES[1]) for p in plain], run(chunked, [(p, {}) for p in plain]),
+                     "--hf-overrides decode_mode=soft")
         with pytest.raises(VLLMValidationError, match="needs the whole prompt in one step.*--no-enable-chunked-prefill"):
             chunked.generate([{"prompt_token_ids": requests[0][0]}], SamplingParams(extra_args=MODES[2]), use_tqdm=False)
         assert_equal(reference, requests[:2], run(chunked, requests[:2]), "chunked prefill after a refusal")

@@ -3,6 +3,7 @@
     python tools/benchmark.py                       # the k-pass training step, about 1.5 minutes on 2 idle cores
     python tools/benchmark.py --decode              # generation (fbt-1b shape, fp32), a few minutes
     python tools/benchmark.py --optimizers          # the optimizer step, NorMuon + Adam against Adam
+    python tools/benchmark.py --serving [--export EXPORT]   # vLLM serving (needs requirements-serve.txt)
     python tools/benchmark.py --quick --json bench.json
 
 Times are medians over interleaved repeats; it prints the ratios with their goals (PASS/MISS) and
@@ -38,9 +39,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="model preset (default: tiny; fbt-1b with --decode); shape flags not given default to "
                              "the benchmark shape for 'tiny' (4 layers, hidden 256, FFN 768, seq 256) and to the "
                              "preset's own shape otherwise")
-    parser.add_argument("--prompt-length", type=int, metavar="N", default=16, help="--decode: prompt tokens (default: 16)")
-    parser.add_argument("--new-tokens", type=int, metavar="N", default=9,
-                        help="--decode: tokens generated in the decode measurement (default: 9, >= 2)")
+    parser.add_argument("--prompt-length", type=int, metavar="N",
+                        help="--decode / --serving: prompt tokens (default: 16 / 32)")
+    parser.add_argument("--new-tokens", type=int, metavar="N",
+                        help="--decode / --serving: tokens generated in the decode measurement (default: 9 / 64, >= 2)")
+    parser.add_argument("--export", metavar="DIR",
+                        help="--serving: an FBT export to serve (default: a random one of the benchmark shape)")
     for name in SHAPE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=int, metavar="N")
     parser.add_argument("--sliding-window", type=int, metavar="N", help="attention window (0: every layer global)")
@@ -59,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.new_tokens < 2:
+    if args.new_tokens is not None and args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2, got {args.new_tokens}")
     for name in (*SHAPE_FLAGS, "micro_batch_size", "repeats", "threads", "prompt_length"):
         value = getattr(args, name)
@@ -68,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("warmup", "sliding_window"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.export is not None and not (Path(args.export) / "config.json").is_file():
+        raise ValueError(f"--export {args.export} is not an export folder (no config.json): give a to-hf output")
     if args.json is not None and args.json.is_dir():
         raise ValueError(f"--json {args.json} is a directory; give a file path")
     return args

@@ -26,18 +26,28 @@ def _feedback(runner):
     return getattr(getattr(runner, "model", None), "feedback_state", None)
 
 
+def _mode(request, defaults):
+    """The request's mode, resolved once (kept on vLLM's per-request state; the mode never changes)."""
+    mode = getattr(request, "_fbt_mode", None)
+    if mode is None:
+        mode = request._fbt_mode = request_mode(request.sampling_params.extra_args if request.sampling_params else None,
+                                                defaults)
+    return mode
+
+
 def step_rows(runner, defaults) -> list:
     """The step's requests in the packed batch's order."""
     batch = runner.input_batch
     num_reqs = batch.num_reqs
-    starts = runner.query_start_loc.np[: num_reqs + 1]
+    starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
+    computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
     rows = []
     for i, req_id in enumerate(batch.req_ids[:num_reqs]):
         request = runner.requests[req_id]
         prompt = request.num_prompt_tokens
-        mode = request_mode(request.sampling_params.extra_args if request.sampling_params else None, defaults)
+        mode = _mode(request, defaults)
         length = min(mode.prompt_length or prompt, prompt)
-        rows.append(Row(req_id, int(starts[i]), int(starts[i + 1]), int(batch.num_computed_tokens_cpu[i]), length, mode))
+        rows.append(Row(req_id, starts[i], starts[i + 1], computed[i], length, mode))
     return rows
 
 
@@ -64,7 +74,9 @@ def install() -> None:
         state = _feedback(self)
         if state is None:
             return model_forward(self, *args, **kwargs)
-        defaults = export_defaults(self.model_config.hf_config, self.scheduler_config)
+        defaults = getattr(self, "_fbt_defaults", None)
+        if defaults is None:
+            defaults = self._fbt_defaults = export_defaults(self.model_config.hf_config, self.scheduler_config)
         state.prepare(step_rows(self, defaults))
         try:
             return model_forward(self, *args, **kwargs)

@@ -52,9 +52,11 @@ class StepPlan:
     num_tokens: int
     passes: int
     any_buffer: bool  # some token reads the buffer in pass 1
+    all_read: bool  # every token does (a pure decode step of soft/fused requests)
     fuse_until: Optional[torch.Tensor]  # [chained/fused-prompt tokens] pass limits (None: single pass)
     fuse_index: Optional[torch.Tensor]  # [the same tokens] their indices
-    write_rows: int  # rows whose states are written back
+    write_rows: int  # rows whose states are written back (0: no soft/fused request in the step)
+    one_token_per_row: bool  # row i is token i
 
 
 class FeedbackState:
@@ -62,13 +64,17 @@ class FeedbackState:
 
     def __init__(self, max_num_seqs: int, max_num_tokens: int, hidden_size: int, dtype, device):
         self.slots = max_num_seqs + 1  # + the scratch slot 0
+        device = torch.device(device)
         self.buffer = torch.zeros(self.slots, hidden_size, dtype=dtype, device=device)
-        # per token of a step: the slot it reads in pass 1, and whether it does
-        self.token_slot = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
-        self.token_reads = torch.zeros(max_num_tokens, 1, dtype=torch.bool, device=device)
-        # per row: the slot written after the step, from which token
-        self.row_slot = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
-        self.row_last = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        # per token of a step: the slot it reads in pass 1, and whether it does; per row: the slot
+        # written after the step, from which token. Filled on the host each step; on CPU the
+        # tensors share the host arrays' memory (no copy), elsewhere they are copied over.
+        self._host = dict(token_slot=np.zeros(max_num_tokens, dtype=np.int64),
+                          token_reads=np.zeros((max_num_tokens, 1), dtype=bool),
+                          row_slot=np.zeros(max_num_seqs, dtype=np.int64), row_last=np.zeros(max_num_seqs, dtype=np.int64))
+        self._shared = device.type == "cpu"
+        for name, array in self._host.items():
+            setattr(self, name, torch.from_numpy(array) if self._shared else torch.empty_like(torch.from_numpy(array), device=device))
         self._owner: Dict[str, int] = {}  # request id -> slot
         self._free: List[int] = list(range(self.slots - 1, 0, -1))
         self._position = np.full(self.slots, -1, dtype=np.int64)  # the position each slot's state is of
@@ -102,19 +108,26 @@ class FeedbackState:
     def prepare(self, rows: List[Row]) -> StepPlan:
         """Fill the step's index tensors and return its plan."""
         num_tokens = rows[-1].end if rows else 0
-        token_slot = np.zeros(num_tokens, dtype=np.int64)
-        token_reads = np.zeros(num_tokens, dtype=bool)
-        row_slot = np.zeros(len(rows), dtype=np.int64)
-        row_last = np.zeros(len(rows), dtype=np.int64)
+        host = self._host
+        token_reads, row_slot, row_last = host["token_reads"], host["row_slot"], host["row_last"]
+        host["token_slot"][:num_tokens] = 0
+        token_reads[:num_tokens] = False
+        row_slot[: len(rows)] = 0
         fuse_index: List[np.ndarray] = []
         fuse_until: List[np.ndarray] = []
-        passes = 1
+        passes, feedback = 1, False
         for i, row in enumerate(rows):
             row_last[i] = row.end - 1
             if not row.mode.feedback:
                 continue
-            slot = row_slot[i] = self._slot(row.req_id)
+            feedback = True
+            slot = self._slot(row.req_id)
+            row_slot[i] = slot
             p, t0, count = row.prompt_length, row.first_position, row.end - row.start
+            if count == 1 and t0 >= p and t0 >= 1:  # a decode step's one position: fuse(buffer[slot], e_t)
+                self._read_buffer(row, slot)
+                self._position[slot] = t0
+                continue
             positions = np.arange(t0, t0 + count)
             base = 1
             if row.mode.mode == "fused" and t0 < p:
@@ -129,35 +142,48 @@ class FeedbackState:
                     base = row.mode.passes + 1
             decoded = (positions >= p) & (positions >= 1)
             if decoded[0]:  # its predecessor was computed in an earlier step
-                if self._position[slot] != t0 - 1:
-                    raise RuntimeError(f"request {row.req_id}: the fed-back state is of position "
-                                       f"{self._position[slot]}, position {t0} needs {t0 - 1}'s")
-                token_slot[row.start] = slot
-                token_reads[row.start] = True
+                self._read_buffer(row, slot)
             chained = np.nonzero(decoded[1:])[0] + 1
             if len(chained):
                 fuse_index.append(row.start + chained)
                 fuse_until.append(np.full(len(chained), UNBOUNDED))
             passes = max(passes, base + len(chained))
             self._position[slot] = t0 + count - 1
-        device = self.buffer.device
-        self.token_slot[:num_tokens].copy_(torch.from_numpy(token_slot), non_blocking=True)
-        self.token_reads[:num_tokens, 0].copy_(torch.from_numpy(token_reads), non_blocking=True)
-        self.row_slot[: len(rows)].copy_(torch.from_numpy(row_slot), non_blocking=True)
-        self.row_last[: len(rows)].copy_(torch.from_numpy(row_last), non_blocking=True)
+        reads = token_reads[:num_tokens]
+        any_buffer = bool(reads.any())
+        if feedback and not self._shared:
+            for name, n in (("token_slot", num_tokens), ("token_reads", num_tokens), ("row_slot", len(rows)),
+                            ("row_last", len(rows))):
+                getattr(self, name)[:n].copy_(torch.from_numpy(host[name][:n]), non_blocking=True)
         index = until = None
         if fuse_index:
+            device = self.buffer.device
             index = torch.from_numpy(np.concatenate(fuse_index)).to(device)
             until = torch.from_numpy(np.concatenate(fuse_until)).to(device)
-        self.plan = StepPlan(num_tokens, passes, bool(token_reads.any()), until, index, len(rows))
+        self.plan = StepPlan(num_tokens, passes, any_buffer, any_buffer and bool(reads.all()), until, index,
+                             len(rows) if feedback else 0, num_tokens == len(rows))
         self.stats["steps"] += 1
         self.stats["max_passes"] = max(self.stats["max_passes"], passes)
         return self.plan
 
+    def _read_buffer(self, row: Row, slot: int) -> None:
+        """The row's first token takes fuse(buffer[slot], e_t): the slot must hold the state of the
+        position just before it."""
+        t0 = row.first_position
+        if self._position[slot] != t0 - 1:
+            raise RuntimeError(f"request {row.req_id}: the fed-back state is of position "
+                               f"{self._position[slot]}, position {t0} needs {t0 - 1}'s")
+        self._host["token_slot"][row.start] = slot
+        self._host["token_reads"][row.start] = True
+
     def write_back(self, top: torch.Tensor) -> None:
-        """After the step: every soft/fused row's last top state into its slot (others: scratch)."""
+        """After the step: every soft/fused row's last top state into its slot (standard rows of the
+        same step: the scratch slot); nothing when the step has no soft/fused request."""
         rows = self.plan.write_rows
-        self.buffer.index_copy_(0, self.row_slot[:rows], top[self.row_last[:rows]].to(self.buffer.dtype))
+        if not rows:
+            return
+        last = top[:rows] if self.plan.one_token_per_row else top[self.row_last[:rows]]
+        self.buffer.index_copy_(0, self.row_slot[:rows], last.to(self.buffer.dtype))
 
 
 def summary(model) -> dict:

@@ -1,7 +1,7 @@
 """A random FBT export of a given shape, written as ``to-hf`` lays out a folder (config.json with
 the remote-code ``auto_map``, model.safetensors without the tied lm_head, the model code of
 ``convert/hf/``, optionally a sentencepiece tokenizer): what the serving tests and
-``tools/serving_benchmark.py`` load when no trained export is given. Norm weights are drawn around
+``tools/benchmark.py --serving`` load when no trained export is given. Norm weights are drawn around
 1 and embeddings wide, so logits are sharp and greedy choices far from ties."""
 
 from __future__ import annotations

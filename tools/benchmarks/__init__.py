@@ -3,6 +3,8 @@
 step       the k-pass training step: step time, throughput, activation memory (the default)
 decode     generation: Soft / Fused(n) against Standard, the HF export against Llama (--decode)
 optimizer  the optimizer step: NorMuon + Adam against Adam (--optimizers)
+serving    an export served by vLLM: soft / standard decode, fused(n) prefill, vLLM / HF generate
+           (--serving; only where vLLM is installed: requirements-serve.txt)
 measure    what they measure with: interleaved timing rounds, saved activations, ratios, settings
 report     the one report: a table of the variants, the ratios with their goals, notes
 
@@ -12,6 +14,6 @@ A benchmark is a module with ``FLAG`` (its command-line switch; None for the def
 writing such a module and listing it in ``BENCHMARKS``.
 """
 
-from . import decode, optimizer, step
+from . import decode, optimizer, serving, step
 
-BENCHMARKS = (step, decode, optimizer)
+BENCHMARKS = (step, decode, optimizer, serving)

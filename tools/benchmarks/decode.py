@@ -22,7 +22,7 @@ from .report import format_report as report
 
 FLAG = "--decode"
 HELP = "measure generation instead of the training step"
-DEFAULTS = dict(preset="fbt-1b", micro_batch_size=1, repeats=5, warmup=1)
+DEFAULTS = dict(preset="fbt-1b", micro_batch_size=1, repeats=5, warmup=1, prompt_length=16, new_tokens=9)
 
 FUSED_PREFILL = (1, 2, 3)
 RATIOS = [
