@@ -1,4 +1,4 @@
-"""Worker of the parallel-equivalence tests, launched by torchrun: the parallel layouts of its world
+"""Worker of the parallel-equivalence tests, launched as forked ranks (tests/forked.py): the parallel layouts of its world
 size in turn (``--layouts``: one launch pays the interpreter and process-group start-up once).
 
 For each layout it builds the training run of ``recipes/tiny_cpu.yaml`` (shrunk; the layout's flags
