@@ -20,7 +20,8 @@ left behind (``run_commands(..., listing=folder, listings=[])``).
 process imports the target (``["-m", module, *argv]`` or ``[script, *argv]``) and megatron-core,
 then forks ``nproc`` ranks at once with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT, OMP_NUM_THREADS=1), each a real process joining one gloo process group; their
-output goes to ``log``. When a rank fails the others are killed (they would wait for it), as torchrun stops them.
+output goes to ``log``. When a rank fails the others are killed (they would wait for it in a
+collective), as torchrun stops them.
 """
 
 import atexit
