@@ -65,3 +65,14 @@ def tiny_run(tmp_path_factory):
 def tiny_baseline_run(tmp_path_factory):
     """The same with recipes/tiny_cpu_baseline.yaml (no latent feedback)."""
     return _train_tiny(tmp_path_factory.mktemp("tiny_run") / "baseline", "recipes/tiny_cpu_baseline.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_run, tmp_path_factory):
+    """tiny_run's Hugging Face export (``python -m fbt_megatron.convert to-hf``; read only)."""
+    from helpers import launch
+
+    base = tmp_path_factory.mktemp("tiny_export")
+    code, out = launch(base / "export.log", "fbt_megatron.convert", "to-hf", "--load", tiny_run, "--output", base / "export")
+    assert code == 0, out[-3000:]
+    return base / "export"

@@ -15,15 +15,16 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def tensors(folder, model_args: dict) -> dict:
+def tensors(folder, model_args: dict, prefix: str = "") -> dict:
+    """The model's tensors in the checkpoint ``folder`` (those under the key ``prefix``), by name."""
     from megatron.core import dist_checkpointing
 
     from fbt_megatron.config import make_config
     from fbt_megatron.model import FBTModel
 
     model = FBTModel(make_config("tiny", **model_args))
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(folder))
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    state = dist_checkpointing.load(model.sharded_state_dict(prefix=prefix), str(folder))
+    return {k[len(prefix):]: v for k, v in state.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
 
 
 def compare(reference, other) -> dict:
@@ -37,7 +38,7 @@ def compare(reference, other) -> dict:
     for trial in sorted(got["losses"]):
         worst = {kind: relative(torch.tensor(ref[kind][trial]), torch.tensor(got[kind][trial])) for kind in ("losses", "deltas")}
         for kind in ("grads", "params"):
-            a, b = tensors(reference / trial / kind, model_args), tensors(other / trial / kind, model_args)
+            a, b = tensors(reference / trial, model_args, f"{kind}."), tensors(other / trial, model_args, f"{kind}.")
             assert sorted(a) == sorted(b)
             worst[kind] = max(relative(a[name], b[name]) for name in a)
         out[trial] = worst

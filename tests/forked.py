@@ -18,13 +18,23 @@ each command, before the next one starts: e.g. what a killed run left behind
 (``run_commands(..., listing=folder, listings=[])``). ``survivors=[]`` gets, per command, the
 processes of its run still alive 5 s after it ended (``survivors()``: its process group, and every
 process descended from it when a signal was sent): none, when nothing outlives its run.
+
+``run_ranks(target, nproc, log)`` is torchrun's ``--standalone`` launch the same way: one Python
+process imports the target (``["-m", module, *argv]`` or ``[script, *argv]``) and megatron-core,
+then forks ``nproc`` ranks at once with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR/PORT, OMP_NUM_THREADS=1), each a real process joining one gloo process group; their
+output goes to ``log``. When a rank fails the others are killed (they would wait for it in a
+collective), as torchrun stops them.
 """
 
 import atexit
 import glob
 import importlib
+import importlib.util
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -123,6 +133,87 @@ def run_commands(module: str, commands: List[Command], timeout: int = 900, listi
         return results["codes"]
 
 
+def run_ranks(target: Sequence, nproc: int, log: Path, timeout: int = 900) -> int:
+    """The exit code of ``target`` (``["-m", module, *argv]`` or ``[script, *argv]``) run as ``nproc``
+    ranks (0: every rank succeeded; else the first failure's); all output in ``log``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    with open(log, "w") as out:  # a session of its own: on a timeout every rank goes with the launcher
+        launcher = subprocess.Popen([sys.executable, __file__, "--ranks", str(nproc), *map(str, target)], cwd=ROOT, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return launcher.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+            raise
+
+
+def _load(target: List[str]):
+    """(module, argv, is the module a script) of a command line's target."""
+    if target[0] == "-m":
+        return importlib.import_module(target[1]), target[2:], False
+    spec = importlib.util.spec_from_file_location(f"_forked_{Path(target[0]).stem}", target[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # under its own name: the ``__main__`` guard stays shut
+    sys.path.insert(0, str(Path(target[0]).resolve().parent))  # as ``python script.py`` puts it first
+    return module, target[1:], True
+
+
+def _rank(module, script: bool, argv: List[str], rank: int, nproc: int, port: int) -> int:
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:  # torchrun's default for several ranks per node
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    sys.argv = [getattr(module, "__file__", module.__name__), *argv]
+    try:
+        if script:
+            code = module.main()
+        else:
+            run_cli(module.main)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code if isinstance(code, int) else (0 if code is None else 1)
+
+
+def ranks(nproc: int, target: List[str]) -> int:
+    importlib.import_module("fbt_megatron.train")  # torch and megatron-core, once for every rank
+    module, argv, script = _load(target)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_rank(module, script, argv, rank, nproc, port))
+        pids.append(pid)
+    failed = 0
+    while pids:
+        pid, status = os.wait()
+        pids.remove(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code and not failed:
+            failed = code
+            print(f"forked.run_ranks: a rank exited with {code}: stopping the others", file=sys.stderr, flush=True)
+            for other in pids:  # they would wait for it in a collective
+                os.kill(other, signal.SIGKILL)
+    return failed
+
+
 def _child(module, argv: List[str], out: str, err: Optional[str]) -> int:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     out_fd = os.open(out, flags, 0o644)
@@ -165,6 +256,8 @@ def _wait(pid: int, out: str, signals: list, processes: list) -> int:
 
 
 def main() -> None:
+    if sys.argv[1] == "--ranks":
+        sys.exit(ranks(int(sys.argv[2]), sys.argv[3:]))
     name, spec, results = sys.argv[1:]
     module = importlib.import_module(name)  # under its own name: a ``__main__`` module's guard stays shut
     spec = json.loads(Path(spec).read_text())

@@ -23,19 +23,23 @@ def tokens(batch=2, seq=24, vocab=1024, seed=0):
 
 
 def launch(log, *args, nproc=None):
-    """Run ``python -m <args>`` — under torchrun with ``nproc`` processes — from the repository
-    root with tests/ importable; output goes to a file (helper processes of a crashed worker
-    could hold a pipe open). Returns (exit code, output)."""
+    """Run ``python -m <args>`` — with ``nproc``: ``<args>`` (a script or ``-m module``) as
+    ``nproc`` ranks forked from one interpreter (tests/forked.py's ``run_ranks``, torchrun's
+    environment) — from the repository root with tests/ importable; output goes to a file (helper
+    processes of a crashed worker could hold a pipe open). Returns (exit code, output)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    if nproc is not None:
+        from forked import run_ranks
+
+        return run_ranks(args, nproc, log), Path(log).read_text()
     root = Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])
-    launcher = [] if nproc is None else ["torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
-    cmd = [sys.executable, "-m", *launcher, *map(str, args)]
+    cmd = [sys.executable, "-m", *map(str, args)]
     with open(log, "w") as out:
         run = subprocess.run(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900)
     return run.returncode, Path(log).read_text()

@@ -17,7 +17,6 @@ import torch
 from fbt_megatron.cli import run_cli
 from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, build_tasks, ensure_tasks
 from fbt_megatron.decode_modes import parse_mode
-from helpers import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 4  # items per task in the lm-eval runs
@@ -76,12 +75,10 @@ def test_decode_mode_names():
 
 # ---------------------------------------------------------------- an export of a trained tiny run
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, tiny_run):
+def exported(tmp_path_factory, tiny_run, tiny_export):
     """(run folder, export folder, tasks) of a 4-step tiny FBT run, exported with the converter."""
     base = tmp_path_factory.mktemp("eval")
-    run, export = tiny_run, base / "export"
-    code, out = launch(base / "export.log", "fbt_megatron.convert", "to-hf", "--load", run, "--output", export)
-    assert code == 0, out[-3000:]
+    run, export = tiny_run, tiny_export
     tasks = build_tasks(str(base / "tasks"), documents=6, questions=12)
     return run, export, tasks
 

@@ -3,7 +3,7 @@
 * NorMuon's update equals a straightforward implementation of the paper's algorithm written
   here, and pytorch-optimizer's NorMuon (whose Newton–Schulz it uses).
 * The split of parameters between NorMuon and Adam.
-* Through the training entry point at TP 2 and TP 2 × DP 2 (one torchrun launch each,
+* Through the training entry point at TP 2 and TP 2 × DP 2 (one launch of forked ranks each,
   tests/distributed/optimizer_worker.py) and in one process (this one), from one seed checkpoint: every layout's losses and
   final weights equal one process's; a run stopped by --exit-interval and resumed with --load
   equals the uninterrupted one bit for bit; a TP 2 checkpoint resumes at TP 1; blockwise TP

@@ -54,7 +54,7 @@ def write_seed(source: Path, seed: Path) -> None:
 
 
 class Stages:
-    """Every run of this module: one torchrun launch (TP 2 × PP 2) and two batches of forked
+    """Every run of this module: one launch of forked ranks (TP 2 × PP 2) and two batches of forked
     one-process runs."""
 
     def __init__(self, root: Path, corpus):

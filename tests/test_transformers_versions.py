@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import launch
 
 LOWEST, NEWEST = "5.16.1", "5.24.0"
 TARGETS = "FBT_TRANSFORMERS_TARGETS"
@@ -52,7 +51,7 @@ print(f"transformers {version}: logits = megatron's (max |diff| {worst:.1e}), ca
 
 
 @pytest.fixture(scope="module")
-def export_with_expected(tiny_run, tmp_path_factory):
+def export_with_expected(tiny_run, tiny_export, tmp_path_factory):
     """(export folder, file of megatron's logits after 1–3 passes over 2 × 12 tokens)."""
     from safetensors.torch import save_file
 
@@ -60,9 +59,7 @@ def export_with_expected(tiny_run, tmp_path_factory):
     from fbt_megatron.tasks.evaluate import pass_logits
 
     base = tmp_path_factory.mktemp("versions")
-    export = base / "export"
-    code, out = launch(base / "export.log", "fbt_megatron.convert", "to-hf", "--load", tiny_run, "--output", export)
-    assert code == 0, out[-3000:]
+    export = tiny_export
     model = load_run(str(tiny_run)).model.eval()
     x = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Worker of the parallel-equivalence tests, launched by torchrun: the parallel layouts of its world
+"""Worker of the parallel-equivalence tests, launched as forked ranks (tests/forked.py): the parallel layouts of its world
 size in turn (``--layouts``: one launch pays the interpreter and process-group start-up once).
 
 For each layout it builds the training run of ``recipes/tiny_cpu.yaml`` (shrunk; the layout's flags
@@ -7,8 +7,8 @@ module's own functions, loads the weights of a seed checkpoint, and for every re
 k ∈ {1, 2, 3} runs two optimizer steps of k passes on the same global batches. It writes:
   <out>/losses.json                    per (mode, k): the per-pass losses of both steps
   <out>/deltas.json                    per (mode, k): ‖Δs‖ = RMS of s^{(j)} − s^{(j−1)}, j = 2..k, of both steps
-  <out>/<mode>_k<k>/grads              the first step's reduced gradients, as a checkpoint
-  <out>/<mode>_k<k>/params             the weights after the second step, as a checkpoint
+  <out>/<mode>_k<k>                    one checkpoint: under ``grads.`` the first step's reduced
+                                       gradients, under ``params.`` the weights after the second step
   <out>/overlap.json                   per (mode, k): where the second step's reductions started
   <out>/offload.json                   per rank: its pipeline stage, layers, and per (mode, k) the bytes
                                        offloaded to host memory and the calls of its first layer (forwards
@@ -67,17 +67,28 @@ def record_launches(ddp) -> list:
     return launches
 
 
-def save_tensors(module, tensors, folder):
-    """Save ``tensors`` (name → tensor shaped like the parameter) in the module's sharded layout."""
+def save_tensors(module, kinds: dict, folder):
+    """Save ``kinds`` ({kind: {name → tensor shaped like the parameter}}) in the module's sharded
+    layout, each under the key prefix ``<kind>.``, as one checkpoint (one write, one writer process)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    def now(shard):  # the sharded state holds the parameters themselves: keep the tensors they hold now
+        if isinstance(getattr(shard, "data", None), torch.Tensor):
+            shard.data = shard.data.detach()
+        return shard
 
     saved = {name: p.data for name, p in module.named_parameters()}
-    for name, p in module.named_parameters():
-        p.data = tensors[name]
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(module.sharded_state_dict(), str(folder))
+    state = {}
+    for kind, tensors in kinds.items():
+        for name, p in module.named_parameters():
+            p.data = tensors[name]
+        state.update(dict_list_map_inplace(now, module.sharded_state_dict(prefix=f"{kind}.")))
     for name, p in module.named_parameters():
         p.data = saved[name]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(state, str(folder), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
 
 
 def main():
@@ -150,9 +161,9 @@ def run_layout(args, out: Path, overrides: list, modes: list):
                     steps.append(reduced["pass_losses"])
                     step_deltas.append(reduced.get("state_deltas", []))
                 if step == 0:
-                    save_tensors(model, full_gradients(ddp), out / f"{mode}_k{k}" / "grads")
+                    grads = {name: g.clone() for name, g in full_gradients(ddp).items()}
                 optimizer.step()
-            save_tensors(model, {n: q.data for n, q in model.named_parameters()}, out / f"{mode}_k{k}" / "params")
+            save_tensors(model, {"grads": grads, "params": {n: q.data for n, q in model.named_parameters()}}, out / f"{mode}_k{k}")
             losses[f"{mode}_k{k}"], overlap[f"{mode}_k{k}"] = steps, list(launches)
             deltas[f"{mode}_k{k}"] = step_deltas
             offloaded[f"{mode}_k{k}"] = STATS.bytes

@@ -1,4 +1,4 @@
-"""Worker of tests/test_optimizers.py, launched by torchrun at one parallel layout (or called in
+"""Worker of tests/test_optimizers.py, launched as forked ranks at one parallel layout (or called in
 the test's own process for one process): NorMuon + Adam (``--optimizer normuon``) through the
 training entry point's own ``train.train``, several runs in one launch. It writes into ``--out``:
   full/                 an uninterrupted run of STEPS steps from the seed checkpoint (metrics.jsonl,
