@@ -2,6 +2,7 @@
 through the training entry point, reuse of finished runs, and tables equal to what the runs logged."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -126,3 +127,93 @@ def test_the_table_equals_the_logged_values(grid):
         assert all(f"{v:.4f}" in line for v in final)
     csv_lines = (tmp / "report" / "runs.csv").read_text().splitlines()
     assert len(csv_lines) == 3 and csv_lines[0].startswith("data,model,length,seed")
+
+
+# ---------------------------------------------------------------- the documents quote only measured numbers
+ROOT = Path(__file__).resolve().parent.parent
+EVIDENCE = ROOT / "docs" / "evidence"
+VERSION = re.compile(r"(?:Python|torch|megatron-core|transformers|lm-eval|vLLM|vllm|CUDA|sentencepiece)\s+v?\d+(?:\.\d+)+")
+NUMBER = re.compile(r"(?<![\w.])\d+\.\d{2,}(?![\w.])")
+
+
+def numbers_in(value):
+    """Every number in a JSON value."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from numbers_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from numbers_in(v)
+
+
+def settings():
+    """Numbers written in the recipes and study files (settings, not measurements)."""
+    return {float(n) for path in (ROOT / "recipes").rglob("*.yaml") for n in NUMBER.findall(path.read_text())}
+
+
+def unmeasured(text: str, measured: list, allowed: set) -> list:
+    """Decimals (2 or more places) in ``text`` that no measured value rounds to, outside settings and versions."""
+    out = []
+    for quoted in NUMBER.findall(VERSION.sub("", text)):
+        places = len(quoted.split(".")[1])
+        if float(quoted) in allowed:
+            continue
+        if not any(round(v, places) == float(quoted) for v in measured):
+            out.append(quoted)
+    return out
+
+
+def test_evidence_and_readme_quote_only_measured_numbers():
+    from fbt_megatron.studies import compare
+
+    measured = []
+    for path in EVIDENCE.rglob("*.json"):
+        measured += list(numbers_in(json.loads(path.read_text())))
+    shipped_tables = "".join(p.read_text() for p in EVIDENCE.rglob("*.md"))
+    for path in EVIDENCE.rglob("results.json"):  # the shipped summaries are what the tool writes from the results
+        summary = path.parent / "summary.md"
+        if summary.exists():
+            assert compare.summary_markdown(json.loads(path.read_text())) == summary.read_text(), summary
+    allowed = settings()
+    for doc in (ROOT / "docs" / "evidence.md", ROOT / "README.md"):
+        text = doc.read_text()
+        assert unmeasured(text, measured, allowed) == [], f"{doc.name} quotes numbers no result file holds"
+        rows = [line for line in text.splitlines() if line.startswith("|") and NUMBER.search(VERSION.sub("", line))]
+        missing = [line for line in rows if line not in shipped_tables]
+        assert missing == [], f"{doc.name}: table rows not in the shipped tables (docs/evidence/*/*.md): {missing[:2]}"
+
+
+def test_the_number_check_catches_a_number_no_run_produced():
+    assert unmeasured("valid loss 3.6944 (3.69–3.70), Python 3.11, lr 0.75", [3.69441, 3.6899, 3.7012], {0.75}) == []
+    assert unmeasured("FBT reaches 3.512", [3.6944], set()) == ["3.512"]
+
+
+def fake_run(model, epochs, seed, valid, best=None, compute_of=None, k=1):
+    tokens = int(epochs * 100_000)
+    return {"data": "100k", "model": model, "length": f"e{epochs:g}", "seed": seed, "threads": 1, "steps": tokens // 2048,
+            "epochs": epochs, "compute_of": compute_of, "tokens": tokens, "compute_tokens": k * tokens,
+            "valid": valid, "best_valid": best if best is not None else valid[0]}
+
+
+def test_the_comparison_finds_the_baselines_frontier_per_seed():
+    from fbt_megatron.studies import compare
+
+    runs = []
+    for seed, shift in ((1, 0.0), (2, 0.01)):
+        runs += [fake_run("baseline", 4, seed, [3.9 + shift]), fake_run("baseline", 8, seed, [3.8 + shift], best=3.75 + shift),
+                 fake_run("baseline", 16, seed, [3.85 + shift], compute_of="fbt_k2"),
+                 fake_run("fbt_k2", 8, seed, [3.7 + 2 * shift, 3.72 + 5 * shift], k=2)]
+    rows = compare.comparisons(runs)
+    assert [(r["seed"], round(r["frontier"], 9), r["frontier_run"], round(r["frontier_anywhere"], 9)) for r in rows] == \
+        [(1, 3.8, "e8", 3.75), (2, 3.81, "e8", 3.76)]
+    assert [(round(r["baseline_same_epochs"], 9), round(r["baseline_equal_compute"], 9)) for r in rows] == [(3.8, 3.85), (3.81, 3.86)]
+    (v,) = compare.verdicts(rows)
+    assert v["fused0_below_frontier"] == 2 and v["fused0_below_anywhere"] == 2 and v["fused1_below_anywhere"] == 1
+    assert abs(v["fused0_minus_frontier"]["mean"] - (-0.1 + -0.09) / 2) < 1e-12
+    text = compare.summary_markdown({"runs": runs})
+    assert "| 100k | fbt_k2 e8 | 1 | 1,600,000 | 3.7000 | 3.7200 | 3.8000 | 3.8500 | 3.8000 (e8) | 3.7500 |" in text
+    assert "| 100k | fbt_k2 e8 | 0 fused | -0.0950 (-0.1000–-0.0900) | -0.1450 (-0.1500–-0.1400) | -0.0950 (-0.1000–-0.0900) | 2/2 | 2/2 |" in text

@@ -11,7 +11,7 @@ A study file (``recipes/studies/*.yaml``) names its data, its models and one or 
       baseline: {recipe: recipes/tiny_cpu_baseline.yaml}
       fbt_k2: {recipe: recipes/tiny_cpu.yaml, flags: {passes: 2, pass-phases: null}}
     flags: {eval-iters: 20}                     # for every run
-    validations: 8                              # per run (--eval-interval); checkpoints as often
+    validations: 8                              # per run at most (--eval-interval, a multiple of --log-interval); checkpoints as often
     evaluate: {sequences: 64, lengths: [1, 2, 4]}   # optional: fbt_megatron.tasks.evaluate after training
     grids:
       full:
@@ -59,6 +59,7 @@ class RunSpec:
     steps: int
     epochs: Optional[float]  # None when the data is not a subset
     mean_passes: float  # k̄ of the model's pass schedule: the compute per token
+    compute_of: Optional[str] = None  # the model whose compute this run matches (epochs × its k̄)
     evaluate: Optional[dict] = None  # fbt_megatron.tasks.evaluate's settings, for task runs
 
     @property
@@ -125,7 +126,7 @@ def flag_list(flags: Dict[str, Any], root: Path) -> List[str]:
     out = []
     for key, value in flags.items():
         if isinstance(value, str):
-            text = value.format(root=root)
+            text = value.replace("{root}", str(root))
         elif value is None or isinstance(value, (bool, list, dict)):
             text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
         else:
@@ -141,14 +142,19 @@ def parse_recipe(recipe: Path, flags: List[str]):
     return flag_parser.parse(["--recipe", str(recipe), *flags], prog="study", description="")
 
 
+def expected_steps(recipe) -> Dict[int, float]:
+    """{k: the expected number of steps with k passes} over the recipe's run (its pass schedule)."""
+    iters, phases = recipe.training.train_iters, recipe.pass_phases()
+    out: Dict[int, float] = {}
+    for (start, mixture), end in zip(phases, [p[0] for p in phases[1:]] + [iters]):
+        for k, w in mixture.items():
+            out[k] = out.get(k, 0.0) + (end - start) * w / sum(mixture.values())
+    return out
+
+
 def mean_passes(recipe) -> float:
     """k̄: the expected passes per step of the recipe's pass schedule, over its whole run."""
-    iters, phases = recipe.training.train_iters, recipe.pass_phases()
-    total = 0.0
-    for (start, mixture), end in zip(phases, [p[0] for p in phases[1:]] + [iters]):
-        weight = sum(mixture.values())
-        total += (end - start) * sum(k * w for k, w in mixture.items()) / weight
-    return total / iters
+    return sum(k * n for k, n in expected_steps(recipe).items()) / recipe.training.train_iters
 
 
 def _length_name(epochs: Optional[float], steps: Optional[int], compute_of: Optional[str]) -> str:
@@ -194,7 +200,8 @@ def _run(study, root, data, model, epochs, steps, compute_of, seed, threads, rec
         per_step = recipe.training.global_batch_size * recipe.data.seq_length
         steps = max(1, round(run_epochs * subset_tokens[data] / per_step))
     steps = steps or recipe.training.train_iters
-    interval = max(1, math.ceil(steps / study.validations))
+    every = recipe.logging.log_interval  # validation happens on logged steps only
+    interval = every * max(1, math.ceil(steps / study.validations / every))
     length = _length_name(epochs, None if epochs is not None else steps, compute_of)
     folder = root / study.name / data / model / length / f"seed{seed}-t{threads}"
     flags += ["--seed", str(seed), "--threads", str(threads), "--train-iters", str(steps),
@@ -203,7 +210,7 @@ def _run(study, root, data, model, epochs, steps, compute_of, seed, threads, rec
     recipe = copy.deepcopy(recipe)
     recipe.training.train_iters = steps
     return RunSpec(study.name, data, model, length, seed, threads, folder, recipe_path, tuple(flags), steps,
-                   run_epochs, mean_passes(recipe), study.evaluate)
+                   run_epochs, mean_passes(recipe), compute_of, study.evaluate)
 
 
 def subset_tokens_needed(study: Study, grid: str) -> List[str]:

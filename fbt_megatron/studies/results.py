@@ -33,7 +33,7 @@ def run_result(run: RunSpec) -> dict:
     last = records[-1]
     out = {
         "data": run.data, "model": run.model, "length": run.length, "seed": run.seed, "threads": run.threads,
-        "steps": run.steps, "epochs": run.epochs, "tokens": last["tokens"], "compute_tokens": last["compute_tokens"],
+        "steps": run.steps, "epochs": run.epochs, "compute_of": run.compute_of, "tokens": last["tokens"], "compute_tokens": last["compute_tokens"],
         "valid": [evals[-1][k] for k in modes],
         "best_valid": best["valid_loss_fused0"], "best_step": best["step"],
         "best_tokens": best["tokens"], "best_compute_tokens": best["compute_tokens"],
@@ -61,7 +61,7 @@ def cell_results(rows: List[dict]) -> List[dict]:
     cells = []
     for (data, model, length, threads), runs in groups.items():
         cell = {"data": data, "model": model, "length": length, "threads": threads, "seeds": [r["seed"] for r in runs],
-                "steps": runs[0]["steps"], "epochs": runs[0]["epochs"]}
+                "steps": runs[0]["steps"], "epochs": runs[0]["epochs"], "compute_of": runs[0]["compute_of"]}
         for key in ("tokens", "compute_tokens", "best_valid", "best_tokens", "best_compute_tokens"):
             cell[key] = summary([r[key] for r in runs])
         cell["valid"] = [summary([r["valid"][j] for r in runs]) for j in range(min(len(r["valid"]) for r in runs))]

@@ -137,8 +137,9 @@ class Runner:
                 self.cond.notify_all()
 
     def _process(self, args: List[str], log: Path, on_line=None) -> int:
-        with open(log, "a") as out, subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                     text=True, cwd=REPO, preexec_fn=self._preexec) as proc:
+        with open(log, "a", buffering=1) as out, subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                     text=True, cwd=REPO, preexec_fn=self._preexec,
+                                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
             out.write("$ python " + " ".join(args) + "\n")
             out.flush()
             for line in proc.stdout:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from fbt_megatron.metrics import read_metrics
 from fbt_megatron.studies.grid import RunSpec, Study, expand, subset_tokens_needed
 from fbt_megatron.studies.runner import Runner, is_done
 
@@ -44,7 +46,9 @@ def plan(runs: List[RunSpec]) -> str:
     lines = [f"{'run':<44} {'steps':>7} {'k̄':>5} {'epochs':>7}  state"]
     for r in runs:
         epochs = "–" if r.epochs is None else f"{r.epochs:.2f}"
-        lines.append(f"{r.label:<44} {r.steps:>7,} {r.mean_passes:>5.2f} {epochs:>7}  {'done' if is_done(r) else 'to run'}")
+        logged = read_metrics(r.folder)
+        state = "done" if is_done(r) else f"at step {logged[-1]['step']}" if logged else "to run"
+        lines.append(f"{r.label:<44} {r.steps:>7,} {r.mean_passes:>5.2f} {epochs:>7}  {state}")
     todo = [r for r in runs if not is_done(r)]
     work = sum(Runner.work(r) for r in todo)
     lines.append(f"{len(todo)} of {len(runs)} runs to run: {work:,.0f} plain-step equivalents (steps × k̄)")
@@ -65,7 +69,7 @@ def run(study: Study, grid: str, root: Path, jobs: int, cpus: int, nice: int, sh
 
 def report(study: Study, grid: str, root: Path, out: Path, partial: bool = False) -> Optional[dict]:
     """Tables and plots of the grid's finished runs into ``out``; every run must be done unless ``partial``."""
-    from fbt_megatron.studies import plots, results
+    from fbt_megatron.studies import compare, plots, results
 
     runs = runs_of(study, grid, root)
     finished = [r for r in runs if is_done(r)]
@@ -78,4 +82,8 @@ def report(study: Study, grid: str, root: Path, out: Path, partial: bool = False
     title = f"{study.name}, grid {grid}: {len(finished)} of {len(runs)} runs"
     written = results.write([results.run_result(r) for r in finished], out, title)
     plots.plot(written, out / "results.png")
+    if not any("task" in r for r in written["runs"]):
+        rows = compare.comparisons(written["runs"])
+        (out / "summary.md").write_text(compare.summary_markdown(written))
+        (out / "summary.json").write_text(json.dumps({"per_seed": rows, "per_cell": compare.verdicts(rows)}, indent=1) + "\n")
     return written
