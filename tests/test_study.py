@@ -84,7 +84,7 @@ def grid(small_corpus, tmp_path_factory):
     corpus = tmp / "corpus"
     shutil.copytree(Path(small_corpus.train_prefix).parent, corpus)
     study = load_study(write_study(tmp / "mini.yaml", small_corpus.source, corpus))
-    runner = studies.run(study, "two", tmp / "root", jobs=2, cpus=2, nice=0, show=False)
+    runner = studies.run(studies.runs_of(study, "two", tmp / "root"), jobs=2, cpus=2, nice=0, show=False)
     assert runner.failed == [] and runner.reused == 0
     return study, tmp
 
@@ -98,26 +98,31 @@ def test_a_grid_runs_through_the_entry_point_and_is_reused(grid):
         assert "-m fbt_megatron.train" in log and f"--data-path {tmp / 'root' / 'data' / 'mini-sub'}" in log
         assert "trained to step 4" in log
     logs = {r.folder: (r.folder / "train.log").stat().st_mtime_ns for r in runs}
-    again = studies.run(study, "two", tmp / "root", jobs=2, cpus=2, nice=0, show=False)
+    again = studies.run(runs, jobs=2, cpus=2, nice=0, show=False)
     assert again.failed == [] and again.reused == 2
     assert logs == {r.folder: (r.folder / "train.log").stat().st_mtime_ns for r in runs}  # nothing ran
+    # a run stopped after its last checkpoint, before done.json, is finished without training again
+    (runs[0].folder / "done.json").unlink()
+    resumed = studies.run(runs, jobs=2, cpus=2, nice=0, show=False)
+    assert resumed.failed == [] and resumed.reused == 1 and (runs[0].folder / "done.json").is_file()
+    assert logs == {r.folder: (r.folder / "train.log").stat().st_mtime_ns for r in runs}
     # a folder made by another command is never taken over
     other = load_study(write_study(tmp / "other.yaml", study.corpus["source"], tmp / "corpus"))
     other.flags["eval-iters"] = 2
-    failed = studies.run(other, "two", tmp / "root", jobs=2, cpus=2, nice=0, show=False).failed
+    failed = studies.run(studies.runs_of(other, "two", tmp / "root"), jobs=2, cpus=2, nice=0, show=False).failed
     assert len(failed) == 2 and all("holds a run of another command" in message for _, message in failed)
 
 
 def test_the_table_equals_the_logged_values(grid):
     study, tmp = grid
-    results = studies.report(study, "two", tmp / "root", tmp / "report")
+    results = studies.report(study, ["two"], tmp / "root", tmp / "report")
     runs = studies.runs_of(study, "two", tmp / "root")
     table = (tmp / "report" / "table.md").read_text()
     assert (tmp / "report" / "results.png").stat().st_size > 0
     for run, row in zip(runs, results["runs"]):
         logged = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in logged if "valid_loss_fused0" in r]
-        assert [r["step"] for r in evals] == [2, 4]
+        assert [r["step"] for r in evals] == [2, 4]  # validations: 2 per run, on logged steps
         final = [evals[-1][f"valid_loss_fused{j}"] for j in range(2 if run.model == "fbt_k2" else 1)]
         assert row["valid"] == final
         assert row["best_valid"] == min(r["valid_loss_fused0"] for r in evals)

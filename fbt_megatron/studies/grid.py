@@ -172,31 +172,44 @@ def expand(study: Study, grid: str, root: Path, subset_tokens: Optional[Dict[str
     g = study.grids[grid]
     seeds, threads = g.get("seeds", [1234]), g.get("threads", [1])
     model_recipe = {m: REPO / spec["recipe"] for m, spec in study.models.items()}
-    base_recipe = {m: parse_recipe(model_recipe[m], flag_list(spec.get("flags", {}), root)) for m, spec in study.models.items()}
+    parsed: Dict[tuple, Any] = {}
+
+    def recipe_of(model: str, data: Optional[str] = None):
+        """The recipe of a model's runs on ``data`` (every flag but the run's own), parsed once."""
+        if (model, data) not in parsed:
+            parsed[model, data] = parse_recipe(model_recipe[model], common_flags(study, model, data, root))
+        return parsed[model, data]
+
     runs = []
     for cell in g.get("cells", []):
         lengths = [(e, None) for e in cell.get("epochs", [])] + [(None, s) for s in cell.get("steps", [])] or [(None, None)]
         for data, model, (epochs, steps), compute_of, thread_count, seed in itertools.product(
                 cell["data"], cell["models"], lengths, cell.get("equal_compute", [None]), threads, seeds):
             runs.append(_run(study, root, data, model, epochs, steps, compute_of, seed, thread_count,
-                             model_recipe[model], base_recipe, subset_tokens or {}))
+                             model_recipe[model], recipe_of, subset_tokens or {}))
     seen = set()
     unique = [r for r in runs if not (r.folder in seen or seen.add(r.folder))]
     return unique
 
 
-def _run(study, root, data, model, epochs, steps, compute_of, seed, threads, recipe_path, base_recipe, subset_tokens) -> RunSpec:
-    spec, data_spec = study.models[model], study.data[data]
-    recipe = base_recipe[model]
-    flags = flag_list({**study.flags, **spec.get("flags", {}), **data_spec.get("flags", {})}, root)
+def common_flags(study: Study, model: str, data: Optional[str], root: Path) -> List[str]:
+    """The flags every run of ``model`` on ``data`` has: the study's, the model's, the data's."""
+    data_spec = study.data[data] if data else {}
+    flags = flag_list({**study.flags, **study.models[model].get("flags", {}), **data_spec.get("flags", {})}, root)
     if "subset_tokens" in data_spec:
-        subset = study.subset_folder(root, data)
-        flags += ["--data-path", str(subset), "--corpus", "null"]
+        flags += ["--data-path", str(study.subset_folder(root, data)), "--corpus", "null"]
+    return flags
+
+
+def _run(study, root, data, model, epochs, steps, compute_of, seed, threads, recipe_path, recipe_of, subset_tokens) -> RunSpec:
+    data_spec = study.data[data]
+    recipe = recipe_of(model, data)
+    flags = common_flags(study, model, data, root)
     run_epochs = None
     if epochs is not None:
         if "subset_tokens" not in data_spec:
             raise ValueError(f"{study.path}: epochs need data with subset_tokens ({data} has none); give steps")
-        run_epochs = epochs * (mean_passes(base_recipe[compute_of]) if compute_of else 1.0)
+        run_epochs = epochs * (mean_passes(recipe_of(compute_of)) if compute_of else 1.0)
         per_step = recipe.training.global_batch_size * recipe.data.seq_length
         steps = max(1, round(run_epochs * subset_tokens[data] / per_step))
     steps = steps or recipe.training.train_iters

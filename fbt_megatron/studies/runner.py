@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -41,6 +42,14 @@ def eval_command(run: RunSpec, output: Path) -> List[str]:
     return ["-m", "fbt_megatron.tasks.evaluate", "--recipe", str(run.recipe), *run.flags, "--load", str(run.folder),
             "--sequences", str(e.get("sequences", 256)), "--lengths", *map(str, e.get("lengths", [1, 2, 4])),
             "--json", str(output)]
+
+
+def trained(run: RunSpec) -> bool:
+    """Whether the run's training has logged and checkpointed its last step."""
+    from fbt_megatron.checkpointing import latest_iteration
+
+    records = read_metrics(run.folder)
+    return bool(records) and records[-1]["step"] == run.steps and latest_iteration(run.folder) == run.steps
 
 
 def is_done(run: RunSpec) -> bool:
@@ -79,6 +88,7 @@ class Runner:
         self.runs, self.jobs, self.cpus, self.nice = runs, jobs, cpus, nice
         self.free = cpus
         self.stopping = False
+        self.live: set = set()  # the processes running now
         self.turn = 0  # runs start in order: the index of the next one to start
         self.cond = threading.Condition()
         self.failed: List[tuple] = []
@@ -98,20 +108,32 @@ class Runner:
             os.nice(self.nice)
 
     def run_all(self) -> List[tuple]:
-        """Run every run not done yet; returns [(run, error)] of those that failed."""
+        """Run every run not done yet; returns [(run, error)] of those that failed. On SIGTERM (or
+        Ctrl-C) the running runs checkpoint and stop, and no other starts: run again to resume."""
+        main = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, self.stop) if main else None
         pool = ThreadPoolExecutor(self.jobs)
         try:
             for future in [pool.submit(self._one, i) for i in range(len(self.runs))]:
                 future.result()
-        except KeyboardInterrupt:  # the runs got the Ctrl-C too: they checkpoint and stop; start no other
-            with self.cond:
-                self.stopping = True
-                self.cond.notify_all()
+        except KeyboardInterrupt:  # the runs got the Ctrl-C from the terminal too
+            self.stop()
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, before)
         pool.shutdown()
         self.bar.close()
         return self.failed
+
+    def stop(self, *_) -> None:
+        """Start no other run; the running ones get SIGTERM (the entry point saves a checkpoint and exits)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+            for proc in self.live:
+                proc.send_signal(signal.SIGTERM)
 
     def _one(self, index: int) -> None:
         run = self.runs[index]
@@ -140,12 +162,17 @@ class Runner:
         with open(log, "a", buffering=1) as out, subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                      text=True, cwd=REPO, preexec_fn=self._preexec,
                                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+            with self.cond:
+                self.live.add(proc)
+                if self.stopping:
+                    proc.send_signal(signal.SIGTERM)
             out.write("$ python " + " ".join(args) + "\n")
-            out.flush()
             for line in proc.stdout:
                 out.write(line)
                 if on_line:
                     on_line(line)
+        with self.cond:
+            self.live.discard(proc)
         return proc.returncode
 
     def execute(self, run: RunSpec) -> bool:
@@ -167,11 +194,12 @@ class Runner:
                 progress["step"] = step
 
         log = run.folder / "train.log"
-        code = self._process(train_command(run), log, on_line)
+        if not trained(run):  # else it stopped after its last checkpoint, before done.json: nothing to train
+            code = self._process(train_command(run), log, on_line)
+            if code != 0:
+                raise RuntimeError(f"training exited with {code}; see {log}")
         records = read_metrics(run.folder)
         last = records[-1]["step"] if records else 0
-        if code != 0:
-            raise RuntimeError(f"training exited with {code}; see {log}")
         if last != run.steps:
             raise RuntimeError(f"training stopped at step {last} of {run.steps} (interrupted: run the study again to resume)")
         if run.evaluate is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from fbt_megatron.metrics import read_metrics
 from fbt_megatron.studies.grid import RunSpec, Study, expand, subset_tokens_needed
@@ -55,31 +55,39 @@ def plan(runs: List[RunSpec]) -> str:
     return "\n".join(lines)
 
 
-def run(study: Study, grid: str, root: Path, jobs: int, cpus: int, nice: int, show: bool = True) -> Runner:
-    """Run the grid's runs that are not done; returns the runner (``failed``: [(run, message)], ``reused``)."""
-    runs = runs_of(study, grid, root, show)
+def run(runs: List[RunSpec], jobs: int, cpus: int, nice: int, show: bool = True) -> Runner:
+    """Run those of ``runs`` not done yet; returns the runner (``failed``: [(run, message)], ``reused``)."""
     start = time.time()
     runner = Runner(runs, jobs, cpus, nice, show)
     failed = runner.run_all()
     if show:
-        print(f"{study.name}/{grid}: {len(runs) - len(failed)} of {len(runs)} runs done ({runner.reused} reused) "
+        print(f"{len(runs) - len(failed)} of {len(runs)} runs done ({runner.reused} reused) "
               f"in {(time.time() - start) / 60:.1f} min", flush=True)
     return runner
 
 
-def report(study: Study, grid: str, root: Path, out: Path, partial: bool = False) -> Optional[dict]:
-    """Tables and plots of the grid's finished runs into ``out``; every run must be done unless ``partial``."""
+def runs_of_grids(pairs: List[tuple], root: Path, show: bool = False) -> List[RunSpec]:
+    """The runs of several (study, grid) pairs in order, each run once."""
+    runs, seen = [], set()
+    for study, grid in pairs:
+        runs += [r for r in runs_of(study, grid, root, show) if not (r.folder in seen or seen.add(r.folder))]
+    return runs
+
+
+def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool = False) -> dict:
+    """Tables and plots of the finished runs of ``grids`` into ``out``; every run must be done unless ``partial``."""
     from fbt_megatron.studies import compare, plots, results
 
-    runs = runs_of(study, grid, root)
+    runs = runs_of_grids([(study, g) for g in grids], root)
     finished = [r for r in runs if is_done(r)]
     missing = len(runs) - len(finished)
+    name = f"{study.name}/{'+'.join(grids)}"
     if missing and not partial:
-        raise ValueError(f"{missing} of {len(runs)} runs of {study.name}/{grid} are not done; run them first, "
+        raise ValueError(f"{missing} of {len(runs)} runs of {name} are not done; run them first, "
                          "or --partial for a report of those that are")
     if not finished:
-        raise ValueError(f"no run of {study.name}/{grid} is done yet")
-    title = f"{study.name}, grid {grid}: {len(finished)} of {len(runs)} runs"
+        raise ValueError(f"no run of {name} is done yet")
+    title = f"{study.name}, grid {'+'.join(grids)}: {len(finished)} of {len(runs)} runs"
     written = results.write([results.run_result(r) for r in finished], out, title)
     plots.plot(written, out / "results.png")
     if not any("task" in r for r in written["runs"]):
