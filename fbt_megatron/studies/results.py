@@ -39,8 +39,9 @@ def run_result(run: RunSpec) -> dict:
         "best_tokens": best["tokens"], "best_compute_tokens": best["compute_tokens"],
         "curve": [{"step": r["step"], "tokens": r["tokens"], "compute_tokens": r["compute_tokens"],
                    "valid": [r[k] for k in modes]} for r in evals],
-        "wall_s": json.loads((run.folder / DONE).read_text())["wall_s"] if (run.folder / DONE).is_file() else None,
     }
+    done = json.loads((run.folder / DONE).read_text()) if (run.folder / DONE).is_file() else {}
+    out["wall_s"], out["finished"] = done.get("wall_s"), done.get("finished")
     if run.evaluate is not None:
         result = json.loads((run.folder / EVAL).read_text())
         out["task"] = {k: result[k] for k in ("task", "chance", "train_length", "test_length", "sequences", "accuracy")}
@@ -114,6 +115,18 @@ def task_table(cells: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def wall_time(rows: List[dict]) -> dict:
+    """Seconds of all runs together, and from the first start to the last end (from done.json)."""
+    import datetime
+
+    timed = [r for r in rows if r.get("finished") and r.get("wall_s") is not None]
+    if not timed:
+        return {}
+    end = [datetime.datetime.strptime(r["finished"], "%Y-%m-%d %H:%M:%S").timestamp() for r in timed]
+    start = [e - r["wall_s"] for e, r in zip(end, timed)]
+    return {"runs_s": round(sum(r["wall_s"] for r in timed), 1), "span_s": round(max(end) - min(start), 1)}
+
+
 CSV_FIELDS = ["data", "model", "length", "seed", "threads", "steps", "epochs", "tokens", "compute_tokens",
               "best_valid", "best_step", "wall_s"]
 
@@ -122,7 +135,7 @@ def write(rows: List[dict], out: Path, title: str) -> dict:
     """results.json, runs.csv and table.md in ``out``; returns the results."""
     out.mkdir(parents=True, exist_ok=True)
     cells = cell_results(rows)
-    results = {"title": title, "runs": rows, "cells": cells}
+    results = {"title": title, "runs": rows, "cells": cells, "wall": wall_time(rows)}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     passes = max(len(r["valid"]) for r in rows)
     with open(out / "runs.csv", "w", newline="") as f:
@@ -132,5 +145,8 @@ def write(rows: List[dict], out: Path, title: str) -> dict:
             writer.writerow([r[k] for k in CSV_FIELDS] + r["valid"] + [None] * (passes - len(r["valid"]))
                             + ([r["held"]] if "held" in r else []))
     tables = [lm_table(cells)] + ([task_table(cells)] if any("accuracy" in c for c in cells) else [])
-    (out / "table.md").write_text(f"# {title}\n\n" + "\n\n".join(tables) + "\n")
+    w = results["wall"]
+    note = (f"Wall time: {w['span_s'] / 3600:.1f} h from the first run's start to the last run's end "
+            f"({w['runs_s'] / 3600:.1f} h of runs added up; a resumed run counts from its last start)." if w else "")
+    (out / "table.md").write_text(f"# {title}\n\n" + "\n\n".join(tables + [note]) + "\n")
     return results
