@@ -61,7 +61,7 @@ def run(runs: List[RunSpec], jobs: int, cpus: int, nice: int, show: bool = True)
     runner = Runner(runs, jobs, cpus, nice, show)
     failed = runner.run_all()
     if show:
-        print(f"{len(runs) - len(failed)} of {len(runs)} runs done ({runner.reused} reused) "
+        print(f"{runner.done} of {len(runs)} runs done ({runner.reused} reused), {len(failed)} failed or stopped, "
               f"in {(time.time() - start) / 60:.1f} min", flush=True)
     return runner
 
