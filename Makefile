@@ -18,3 +18,17 @@ demo: setup
 
 test: setup
 	$(ACT) python -m pytest -q
+
+# ---- serving with vLLM (docs/serving.md): a second environment, .venv-serve, with vLLM's CPU build
+# and transformers within vLLM's range (<5.20); .venv keeps the newest transformers.
+SERVE_VENV := .venv-serve
+.PHONY: serve-setup test-serve
+serve-setup: $(SERVE_VENV)/.installed
+$(SERVE_VENV)/.installed: requirements.txt requirements-serve.txt pyproject.toml
+	$(PY) -m venv $(SERVE_VENV)
+	. $(SERVE_VENV)/bin/activate && pip install -q --upgrade pip && pip install -q -r requirements.txt -r requirements-serve.txt -e . \
+		&& pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-serve: serve-setup
+	. $(SERVE_VENV)/bin/activate && FBT_REQUIRE_VLLM=1 python -m pytest -q tests/test_serving.py

@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from fbt_megatron.recipe import RecipeError
-
-
-class BadStepsError(ValueError):
-    """Too many consecutive bad steps: the run stops (one ``error:`` line, exit code 2)."""
+from fbt_megatron.errors import BadStepsError
+from fbt_megatron.recipe import nan_injections
 
 
 @torch.no_grad()
@@ -83,19 +79,10 @@ class BadSteps:
 
 
 class NaNInjection:
-    """The ``--inject-nan`` spec (see the module docstring): step → (what, factor)."""
-
-    _ITEM = re.compile(r"^(loss|grad)@(\d+)(?:-(\d+))?(?::(nan|inf))?$")
+    """The ``--inject-nan`` spec (see the module docstring; parsed by ``recipe.nan_injections``)."""
 
     def __init__(self, spec: Optional[str]):
-        self.steps: Dict[int, Tuple[str, float]] = {}
-        for item in filter(None, (spec or "").replace(" ", "").split(",")):
-            m = self._ITEM.match(item)
-            if not m:
-                raise RecipeError(f"training.inject_nan: {item!r} is not WHAT@STEP[-LAST][:nan|inf] (WHAT: loss or grad)")
-            first = int(m.group(2))
-            for step in range(first, int(m.group(3) or first) + 1):
-                self.steps[step] = (m.group(1), float(m.group(4) or "nan"))
+        self.steps = nan_injections(spec)  # step → (what, factor)
 
     @contextlib.contextmanager
     def forward(self, step: int, model):

@@ -41,6 +41,7 @@ import os
 import pickle
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -49,6 +50,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
+
+from fbt_megatron.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "files.json"
@@ -59,10 +62,6 @@ _ITER = re.compile(r"^iter_(\d{7})$")
 _RANK_FILE = re.compile(r"^__(\d+)_")  # torch_dist's per-rank data files: __{rank}_{n}.distcp
 # The distributed optimizer's torch-Adam path (no Apex/TE) only supports this format.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names it."""
 
 
 def checkpoint_dir(folder, iteration: int) -> Path:
@@ -92,6 +91,31 @@ def latest_iteration(folder) -> Optional[int]:
 
 
 # ---------------------------------------------------------------- what a checkpoint holds
+@dataclass
+class TrainState:
+    """What besides weights and optimizer a resumed run needs (saved in every checkpoint as a dict:
+    ``read_train_state``)."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    tokens: int = 0
+    compute_tokens: int = 0  # tokens × passes: the cost in equivalent single-pass tokens
+    pass_schedule: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+    lr_schedule: dict = field(default_factory=dict)  # the curve the optimizer followed (``optimizers.schedule.lr_schedule``)
+    recipe: dict = field(default_factory=dict)  # the whole recipe of the run's latest stretch (``runs.load_run``)
+    vocab_size: int = 0  # the embedding's (padded) vocabulary size
+    skipped_steps: int = 0  # steps whose update was skipped (NaN/Inf gradient norm: ``bad_steps``)
+
+    def advance(self, passes: int, samples: int, tokens: int, skipped_steps: int) -> None:
+        """After a step of ``passes`` passes over ``samples`` sequences of ``tokens`` tokens in all."""
+        self.iteration += 1
+        self.consumed_samples += samples
+        self.tokens += tokens
+        self.compute_tokens += tokens * passes
+        self.skipped_steps = skipped_steps
+
+
 def _rng_state() -> torch.Tensor:
     """This rank's RNG streams as one uint8 vector: the default generator, the device one (GPU)
     and megatron's tracker streams (dropout in TP regions), in a fixed order."""

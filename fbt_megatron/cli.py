@@ -1,4 +1,5 @@
-"""How this project's command-line tools end: bad input is one ``error:`` line and exit code 2."""
+"""How this project's command-line tools end: bad input is one ``error:`` line and exit code 2,
+and the process group a command started is torn down."""
 
 from __future__ import annotations
 
@@ -16,14 +17,22 @@ def quiet_library_warnings() -> None:
 
 
 def run_cli(main: Callable[[], int | None]) -> NoReturn:
-    """Run `main` and exit with its return code. A ValueError or FileNotFoundError (bad input: a
-    missing file, a malformed line, a bad flag value) becomes ``error: <message>`` on stderr and
-    exit code 2, without a traceback. Under torchrun/srun every rank finds the same bad input; only
-    rank 0 says so."""
+    """Run `main` and exit with its return code, once the torch.distributed process group it
+    started (training, conversion, loading a run) is destroyed. A ValueError or FileNotFoundError
+    (bad input: a missing file, a malformed line, a bad flag value) becomes ``error: <message>`` on
+    stderr and exit code 2, without a traceback. Under torchrun/srun every rank finds the same bad
+    input; only rank 0 says so."""
     try:
         code = main()
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0":
             print("error: " + " ".join(str(e).split()), file=sys.stderr)
         sys.exit(2)
+    _destroy_process_group()
     sys.exit(code)
+
+
+def _destroy_process_group() -> None:
+    distributed = sys.modules.get("torch.distributed")  # only a command that imported torch can have started one
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()

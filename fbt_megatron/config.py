@@ -166,3 +166,11 @@ def make_config(preset: str, **overrides) -> FBTConfig:
     # the order layers are initialised in: compare PP layouts from a seed checkpoint)
     fields.setdefault("use_cpu_initialization", not platform.on_gpu())
     return FBTConfig(**fields)
+
+
+def recipe_config(recipe, vocab_size: Optional[int] = None, **fields) -> FBTConfig:
+    """The FBTConfig of a recipe's model (``fbt_megatron.recipe.Recipe``): its preset and model
+    overrides, the data's sequence length and the embedding's (padded) vocabulary size (None: the
+    preset's), then ``fields`` (a parallel layout, a precision, meta-device initialisation)."""
+    vocab = {} if vocab_size is None else {"vocab_size": vocab_size}
+    return make_config(recipe.model.preset, **{**recipe.model_overrides, **vocab, "seq_length": recipe.data.seq_length, **fields})

@@ -9,23 +9,26 @@ for positions t ≥ 2 beyond the sequence's prefix-mixin length p, and u_t = e_t
 stack on all positions in parallel and gets its own next-token loss; gradients flow through
 all passes. Positions are 1-based in comments and 0-based in code.
 
-Packed rows (SFT, ``PackedRows``): several conversations share a row; each attends only to itself,
-and its first position takes e_t like position 1 of a sequence, so no state crosses a boundary.
+Packed rows (SFT, ``data.packed_rows.PackedRows``): several conversations share a row; each attends
+only to itself, and its first position takes e_t like position 1 of a sequence, so no state
+crosses a boundary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Union
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from fbt_megatron.offload import offloading
-from fbt_megatron.parallel.sequence import WHOLE_SEQUENCE, SequenceLayout, sequence_layout
+from fbt_megatron import seeds
+from fbt_megatron.offload import recomputed_pass
+from fbt_megatron.sequence import WHOLE_SEQUENCE, SequenceLayout, sequence_layout
+
+if TYPE_CHECKING:
+    from fbt_megatron.data.packed_rows import PackedRows
 
 
 @dataclass
@@ -71,59 +74,10 @@ class LatentFeedbackFusion(MegatronModule):
         return embeddings + 0.0 * sum(p.sum() for p in self.parameters())
 
 
-# ---------------------------------------------------------------- packed rows (SFT)
-@dataclass
-class PackedRows:
-    """Conversations packed into the rows of a microbatch (``fbt_megatron.data.sft``).
-
-    Attention stays inside a conversation (``attention_mask``) and the carried state does not
-    cross into the next one: a conversation's first position is never fused. In the fused passes
-    the prompt positions keep e_t (the prompt-aware prefix mixin) when ``prompt_prefix`` is set,
-    and always in evaluation (prompt-then-generate); otherwise training draws the pretraining
-    random prefix per row."""
-
-    segments: torch.Tensor  # [b, s] which conversation each position belongs to (padding: one of its own)
-    plain: torch.Tensor  # [b, s] bool: prompt positions (every token that is not the assistant's)
-    prompt_prefix: bool = True  # training: the prompt is the prefix (else a random prefix per row)
-
-    @cached_property
-    def starts(self) -> torch.Tensor:
-        """[b, s] bool: the first position of each conversation (and of the padding)."""
-        first = torch.ones_like(self.segments[:, :1], dtype=torch.bool)
-        return torch.cat([first, self.segments[:, 1:] != self.segments[:, :-1]], dim=1)
-
-    @cached_property
-    def attention_mask(self) -> torch.Tensor:
-        """[b, 1, s, s] bool, True = masked (megatron's convention): a later position or another
-        conversation. A sliding-window layer adds its window (``layers.FBTDotProductAttention``)."""
-        s = self.segments.shape[1]
-        later = torch.ones(s, s, dtype=torch.bool, device=self.segments.device).triu(1)
-        other = self.segments.unsqueeze(2) != self.segments.unsqueeze(1)
-        return (other | later).unsqueeze(1)
-
-    def uses_prompt(self, training: bool) -> bool:
-        return self.prompt_prefix or not training
-
-    def fusable(self, training: bool) -> torch.Tensor:
-        """[s, b] bool: where a fused pass may use u_t — not at a conversation's first position,
-        nor on its prompt when the prompt is the prefix."""
-        allowed = ~self.starts
-        if self.uses_prompt(training):
-            allowed = allowed & ~self.plain
-        return allowed.transpose(0, 1)
-
-
 # ---------------------------------------------------------------- per-sequence random draws
-# Prefix lengths and jitter are drawn from generators seeded by (sequence seed, pass, stream), so
-# they depend on which sequence is drawn for, never on how the batch is split across ranks or
-# microbatches, and a recomputed pass sees the same numbers.
-_PREFIX, _JITTER, _SCHEDULE = 1, 2, 3
-
-
-def _generator(seed: int, index: int, stream: int, device) -> torch.Generator:
-    """A generator fixed by (seed, index, stream): (sequence seed, pass) or (run seed, step)."""
-    mixed = (seed * 1_000_003 + index * 7_919 + stream) % (2**63 - 1)
-    return torch.Generator(device=device).manual_seed(mixed)
+# Prefix lengths and jitter are drawn from generators seeded by (sequence seed, pass, stream)
+# (``seeds``): they depend on which sequence is drawn for, never on how the batch is split across
+# ranks or microbatches, and a recomputed pass sees the same numbers.
 
 
 def prefix_lengths(config, sequence_seeds: List[int], pass_index: int, seq_len: int) -> torch.Tensor:
@@ -131,7 +85,7 @@ def prefix_lengths(config, sequence_seeds: List[int], pass_index: int, seq_len: 
     high = max(1, int(config.prefix_mixin_max_fraction * seq_len))
     lengths = []
     for seed in sequence_seeds:
-        g = _generator(seed, pass_index, _PREFIX, "cpu")
+        g = seeds.generator(seed, pass_index, seeds.PREFIX, "cpu")
         use = torch.rand((), generator=g).item() < config.prefix_mixin_prob
         p = torch.randint(0, high, (), generator=g).item()
         lengths.append(p if use else 0)
@@ -148,7 +102,7 @@ def jitter(config, sequence_seeds: List[int], pass_index: int, shape, device, dt
     """ε ~ N(0, σ²) of shape [s, b, h], one generator per sequence."""
     seq_len, _, hidden = shape
     noise = [
-        torch.randn(seq_len, hidden, generator=_generator(seed, pass_index, _JITTER, device), device=device)
+        torch.randn(seq_len, hidden, generator=seeds.generator(seed, pass_index, seeds.JITTER, device), device=device)
         for seed in sequence_seeds
     ]
     return (config.feedback_jitter * torch.stack(noise, dim=1)).to(dtype)
@@ -211,34 +165,22 @@ def default_feedback(
 
 
 def run_pass(
-    model, tokens, labels, pass_index: int, received: Optional[torch.Tensor], feedback_fn, backward_next: bool = False,
+    model, tokens, labels, pass_index: int, previous: Optional[torch.Tensor], feedback_fn, backward_next: bool = False,
     packed: Optional[PackedRows] = None,
 ):
-    """Pass j of one microbatch on this pipeline stage → ``FBTModel.forward``'s (output, top state).
-
-    ``received`` is what the stage gets from upstream: on the first stage the previous pass's top
-    states s^{(j−1)} (None in pass 1), fused with the embeddings by eq. F4; on later stages the
-    previous stage's hidden states. With ``recompute_passes`` only these inputs (and e_t) are kept
-    (in host memory with ``offload_recompute_inputs``) and the pass is recomputed in backward —
-    unless ``backward_next``: the caller runs this pass's backward right after its forward (the
-    last pass on the last stage), so its activations are freed as soon as a recompute's would be,
-    and checkpointing would only add a forward. ``packed``: the rows hold packed conversations,
-    each attending only to itself (on every stage)."""
-    embeddings = model.embed(tokens) if model.pre_process else None  # e_t
+    """Pass j of one microbatch → ``FBTModel.forward``'s (output, top state): the embeddings e_t,
+    fused by eq. F4 with the previous pass's top states s^{(j−1)} (``previous``; None in pass 1).
+    With ``recompute_passes`` the pass is recomputed in backward unless ``backward_next``
+    (``offload.recomputed_pass``); a later pipeline stage runs ``parallel.pipeline.stage_pass``.
+    ``packed``: the rows hold packed conversations, each attending only to itself."""
+    embeddings = model.embed(tokens)  # e_t
     attention_mask = None if packed is None else packed.attention_mask
 
-    def forward(embeddings, labels, received):
-        if not model.pre_process:
-            return model(tokens, labels=labels, hidden_states=received, attention_mask=attention_mask)
-        feedback = None if received is None else feedback_fn(received, pass_index)
+    def forward(embeddings, labels, previous):
+        feedback = None if previous is None else feedback_fn(previous, pass_index)
         return model(tokens, labels=labels, feedback=feedback, embeddings=embeddings, attention_mask=attention_mask)
 
-    if model.config.recompute_passes and not backward_next:
-        # e_t and s^{(j−1)} wait for backward in host memory; a pipeline schedule keeps what it received
-        held = (received,) if model.config.pipeline_model_parallel_size > 1 else ()
-        with offloading(model.config, recomputed=True, keep=held):
-            return tensor_parallel.checkpoint(forward, False, embeddings, labels, received)
-    return forward(embeddings, labels, received)
+    return recomputed_pass(model.config, forward, embeddings, labels, previous, backward_next)
 
 
 def state_delta_square(top: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -280,68 +222,3 @@ def multi_pass_loss(
             deltas.append(state_delta_square(top, prev))
         prev = top.detach() if model.config.detach_feedback else top
     return MultiPassOutput(loss=total, pass_losses=losses, state_delta_squares=deltas, top_state=prev)
-
-
-# ---------------------------------------------------------------- the pass schedule
-@dataclass(frozen=True)
-class PassPhase:
-    """From step ``start`` on, k is drawn from ``mixture`` ({k: weight}; a fixed k is {k: 1})."""
-
-    start: int
-    mixture: Dict[int, float]
-
-    def describe(self) -> str:
-        if len(self.mixture) == 1:
-            return f"k = {next(iter(self.mixture))}"
-        total = sum(self.mixture.values())
-        return "k ~ {" + ", ".join(f"{k}: {w / total:.2f}" for k, w in sorted(self.mixture.items())) + "}"
-
-
-@dataclass(frozen=True)
-class PassSchedule:
-    """k for each training step, in phases (e.g. k = 1 for the first 75% of training, then
-    {1: 0.75, 2: 0.22, 3: 0.03}). A pure function of (seed, step): every rank, and a resumed run,
-    computes the same k without communicating."""
-
-    seed: int
-    phases: Tuple[PassPhase, ...]
-
-    def __post_init__(self):
-        starts = [p.start for p in self.phases]
-        if not starts or starts[0] != 0 or starts != sorted(set(starts)):
-            raise ValueError(f"pass phases must start at step 0 and increase, got starts {starts}")
-
-    @classmethod
-    def fixed(cls, seed: int, passes: int) -> "PassSchedule":
-        return cls(seed, (PassPhase(0, {passes: 1.0}),))
-
-    def phase(self, step: int) -> int:
-        """The index of the phase ``step`` belongs to."""
-        return max(i for i, p in enumerate(self.phases) if p.start <= step)
-
-    def __call__(self, step: int) -> int:
-        mixture = self.phases[self.phase(step)].mixture
-        counts = sorted(mixture)
-        if len(counts) == 1:
-            return counts[0]
-        weights = torch.tensor([float(mixture[k]) for k in counts], dtype=torch.float64)
-        u = torch.rand((), generator=_generator(self.seed, step, _SCHEDULE, "cpu"), dtype=torch.float64)
-        index = int(torch.searchsorted(weights.cumsum(0) / weights.sum(), u, right=True).clamp(max=len(counts) - 1))
-        return counts[index]
-
-    def expected_passes(self, steps: int) -> Dict[int, float]:
-        """The expected number of steps with each k over steps [0, steps) (planning, reports)."""
-        out: Dict[int, float] = {}
-        for i, p in enumerate(self.phases):
-            end = min(steps, self.phases[i + 1].start if i + 1 < len(self.phases) else steps)
-            total = sum(p.mixture.values())
-            for k, w in p.mixture.items():
-                out[k] = out.get(k, 0.0) + max(0, end - p.start) * w / total
-        return out
-
-    def describe(self) -> str:
-        """The schedule in words, e.g. "k = 1 from step 0, k ~ {1: 0.75, 2: 0.22, 3: 0.03} from step 600"."""
-        return ", ".join(f"{p.describe()} from step {p.start}" for p in self.phases)
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "phases": [{"start": p.start, "mixture": dict(p.mixture)} for p in self.phases]}

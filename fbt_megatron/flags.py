@@ -25,7 +25,8 @@ from typing import Any, Literal, Optional, Sequence
 
 import yaml
 
-from fbt_megatron.recipe import SECTIONS, ModelSection, Recipe, RecipeError, check, hints, load_recipe, model_hints
+from fbt_megatron.errors import RecipeError
+from fbt_megatron.recipe import SECTIONS, ModelSection, Recipe, check, hints, load_recipe, model_hints
 
 # Model fields (FBTConfig / TransformerConfig) shown in --help, by group; every other settable
 # field is a pass-through flag listed by --help-all.
@@ -124,10 +125,10 @@ class FlagParser(argparse.ArgumentParser):
 
 
 def _model_defaults(recipe: Recipe):
-    from fbt_megatron.config import make_config
+    from fbt_megatron.config import recipe_config
 
     try:
-        return make_config(recipe.model.preset, **recipe.model_overrides)
+        return recipe_config(recipe)
     except (ValueError, TypeError) as e:
         raise RecipeError(f"model: {e}") from None
 

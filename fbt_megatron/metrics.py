@@ -1,7 +1,10 @@
 """Training logs: one record per logged step, to stdout, TensorBoard and ``<save>/metrics.jsonl``.
 
-``metrics.jsonl`` is appended across resumes; records past the step a run resumes from (logged
-after the last checkpoint of a crashed run) are dropped first, so the file reads as one run.
+``TrainingLog`` makes the records: the window of steps since the last one (its time, throughput and
+MFU), the losses, the pass schedule's phase and shares, the z-loss, validation; ``header`` and
+``validation_note`` open the log. ``metrics.jsonl`` is appended across resumes; records past the
+step a run resumes from (logged after the last checkpoint of a crashed run) are dropped first, so
+the file reads as one run.
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 METRICS = "metrics.jsonl"
 
@@ -64,7 +68,7 @@ def tensorboard_scalars(record: dict) -> dict:
 
 class PassShares:
     """The pass-schedule phase of a run's latest step and the share of its steps so far that ran
-    each k, counted from the pure schedule (``fbt.PassSchedule``): a resumed run logs what an
+    each k, counted from the pure schedule (``passes.PassSchedule``): a resumed run logs what an
     uninterrupted one does. Counting continues from the previous call (a resumed run's first
     call counts the steps before the resume once)."""
 
@@ -124,6 +128,125 @@ class MetricsLogger:
             self.file.close()
         if self.writer:
             self.writer.close()
+
+
+class TrainingLog:
+    """The log of a training run on this rank. Every step's time joins the current window
+    (``start_step`` / ``end_step``); a logged step (every ``--log-interval`` and the last) makes a
+    record: the objective and the per-pass losses (averaged over the data-parallel ranks), ‖Δs‖,
+    learning rate, gradient norm, skipped steps, the window's time per step and throughput, tokens,
+    MFU (``plan.flops.Throughput``), the pass phase and shares (``PassShares``), the z-loss and, when
+    due, the validation losses (``validate()``). Only the last pipeline stage (``active``) has the
+    losses and logs; the other stages take part in validation."""
+
+    def __init__(self, recipe, config, passes, state, validate: Callable[[], dict], active: bool):
+        import torch.distributed as dist
+
+        from fbt_megatron.plan.flops import Throughput
+        from fbt_megatron.plan.gpus import peak_tflops
+
+        c, g = recipe.checkpoint, recipe.logging
+        self.recipe, self.config, self.validate, self.active = recipe, config, validate, active
+        self.logger = MetricsLogger(c.save, active=active, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
+                                    resume_from=state.iteration)
+        self.throughput = Throughput(config, dist.get_world_size(), peak_tflops(g.peak_tflops), state.tokens, state.compute_tokens)
+        self.pass_shares = PassShares(passes)
+        self.records, self.window_time, self.window_steps, self.started = [], 0.0, 0, 0.0
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is logged."""
+        return step % self.recipe.logging.log_interval == 0 or step == self.recipe.training.train_iters
+
+    def start_step(self) -> None:
+        self.started = time.perf_counter()
+
+    def end_step(self, state, k: int, step) -> None:
+        """After the step (``step.StepResult``, k passes) that brought ``state`` to its iteration."""
+        self.window_time += time.perf_counter() - self.started
+        self.window_steps += 1
+        t = self.recipe.training
+        if not self.due(state.iteration):
+            return
+        validating = t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters)
+        if not step.report:  # not the last pipeline stage: no losses here
+            if validating:
+                self.validate()
+            return
+        record = self._record(state, k, step)
+        self.window_time, self.window_steps = 0.0, 0
+        if validating:
+            record.update(self.validate())
+        self.records.append(record)
+        self.logger.log(record)
+
+    def _record(self, state, k: int, step) -> dict:
+        from fbt_megatron.fbt import pass_weights
+        from fbt_megatron.step import data_parallel_mean
+
+        report = data_parallel_mean(step.report)
+        losses = report["pass_losses"]
+        tokens_per_step = self.recipe.training.global_batch_size * self.recipe.data.seq_length
+        record = {
+            "step": state.iteration,
+            "k": k,
+            "loss": sum(w * l for w, l in zip(pass_weights(self.config, k), losses)),
+            "pass_losses": losses,
+            "state_deltas": report.get("state_deltas", []),
+            "lr": step.lr,
+            "grad_norm": step.grad_norm,
+            "skipped_steps": state.skipped_steps,
+            "iteration_time": self.window_time / self.window_steps,
+            "tokens_per_s": self.window_steps * tokens_per_step / self.window_time,
+            "tokens": state.tokens,
+            "compute_tokens": state.compute_tokens,
+        }
+        record.update(self.throughput.fields(record))  # tokens/s and model TFLOP/s per GPU, MFU (fbt_megatron.plan.flops)
+        record.update(self.pass_shares(state.iteration))  # the step's pass-schedule phase, the share of each k so far
+        if "z_loss" in report:  # `loss` is the objective, cross-entropy + z; `pass_losses` stay cross-entropy
+            record.update(z_loss=report["z_loss"], loss=record["loss"] + report["z_loss"])
+        return record
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def header(recipe, model, vocab: int, data, schedule: dict, start: int) -> str:
+    """The lines a run's log opens with: model, data, layout, steps, learning rate, passes, FLOPs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from fbt_megatron.optimizers.schedule import describe_schedule
+    from fbt_megatron.passes import pass_schedule
+    from fbt_megatron.plan.flops import flops_per_token
+
+    t, p = recipe.training, recipe.parallel
+    tokenizer_vocab = data.tokenizer.vocab_size
+    return (
+        f"fbt-megatron: {recipe.model.preset}, {sum(q.numel() for q in model.parameters()):,} parameters on this rank, "
+        f"vocabulary {tokenizer_vocab:,}" + (f" (padded to {vocab:,})" if vocab != tokenizer_vocab else "") + "\n"
+        f"  data {data.source}; world {dist.get_world_size()} (tp {p.tensor_model_parallel_size}, "
+        f"pp {p.pipeline_model_parallel_size}, cp {p.context_parallel_size}, dp {parallel_state.get_data_parallel_world_size()}); "
+        f"steps {start}→{t.train_iters} of {t.global_batch_size} × {recipe.data.seq_length} tokens\n"
+        f"  learning rate: {describe_schedule(schedule, t.train_iters)}\n"
+        f"  passes: {pass_schedule(recipe).describe()}\n"
+        f"  model FLOPs per token (fwd+bwd, fbt_megatron.plan.flops): "
+        + ", ".join(f"{flops_per_token(model.config, k):.3g} at k = {k}" for k in sorted(pass_schedule(recipe).expected_passes(t.train_iters)))
+    )
+
+
+def validation_note(valid, recipe) -> Optional[str]:
+    """A warning when validation asks for more sequences than the validation split holds (they
+    repeat, so the loss is measured on less text than it seems)."""
+    t, length = recipe.training, recipe.data.seq_length
+    documents = getattr(valid, "dataset", None)
+    if documents is None or not hasattr(valid, "indices"):  # a blend or another dataset class
+        return None
+    tokens = int(documents.sequence_lengths[valid.indices].sum())
+    distinct, asked = max(1, (tokens - 1) // length), t.eval_iters * t.global_batch_size
+    if not t.eval_iters or asked <= distinct:
+        return None
+    return (f"warning: validation reads {asked} sequences of {length} tokens but its split holds {tokens:,} tokens "
+            f"({distinct} distinct sequences): they repeat; use a larger validation split or fewer --eval-iters")
 
 
 def format_record(r: dict) -> str:

@@ -147,8 +147,8 @@ class FBTModel(GPTModel):
         return loss.transpose(0, 1).contiguous()
 
     def set_input_tensor(self, input_tensor):
-        """What the pipeline schedule received for this stage: kept for ``fbt.run_pass``, which
-        hands it to ``forward`` (as feedback on the first stage, hidden states elsewhere)."""
+        """What the pipeline schedule received for this stage: kept for ``parallel.pipeline.stage_pass``,
+        which hands it to ``forward`` (as feedback on the first stage, hidden states elsewhere)."""
         self.received = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
     def embed(self, input_ids, position_ids=None):
@@ -174,7 +174,7 @@ class FBTModel(GPTModel):
         ``inference_context`` (megatron's StaticInferenceContext, eval mode): the KV cache of
         ``fbt_megatron.generate``; the inputs are the positions after its ``sequence_len_offset``,
         and the logits only the last position's (megatron's static-batching default).
-        ``attention_mask`` [b, 1, s, s] (True = masked; packed SFT rows, ``fbt.PackedRows``) replaces
+        ``attention_mask`` [b, 1, s, s] (True = masked; packed SFT rows, ``data.packed_rows.PackedRows``) replaces
         the causal mask; sliding-window layers keep their window. Local attention core only: TE's
         would take its own causal mask and ignore it."""
         if attention_mask is not None and not isinstance(self.decoder.layers[0].self_attention.core_attention,

@@ -17,7 +17,7 @@ second CPU tensor: the mechanism and its byte count are exercised, nothing is sa
 overlap compute, and parameters, small tensors and ``keep`` stay.)
 
 Under pipeline parallelism megatron-core's schedule keeps every received tensor until its backward
-anyway, so ``fbt.run_pass`` and ``FBTModel.forward`` leave those on the device (``keep``): there
+anyway, so ``recomputed_pass`` and ``FBTModel.forward`` leave those on the device (``keep``): there
 e_t (first stage) and, under full recompute, the other layers' inputs are what moves.
 
 Why not the other candidates (measured in the session that chose this, see the README):
@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
+from megatron.core import tensor_parallel
 
 
 @dataclass
@@ -154,3 +155,19 @@ def offloading(config, recomputed: bool, keep: Tuple[torch.Tensor, ...] = ()):
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def recomputed_pass(config, forward: Callable, embeddings, labels, received, backward_next: bool = False):
+    """``forward(embeddings, labels, received)``: one pass on this pipeline stage, under pass-level
+    activation checkpointing when ``recompute_passes`` asks for it — only its inputs (e_t and what
+    the stage received: the previous pass's top states or the previous stage's hidden states) wait
+    for backward, in host memory with ``offload_recompute_inputs`` (but for what a pipeline schedule
+    received: it holds that until backward anyway), and the pass is recomputed in backward. Not when
+    ``backward_next``: the caller runs this pass's backward right after its forward (the last pass
+    on the last stage), so its activations are freed as soon as a recompute's would be, and
+    checkpointing would only add a forward."""
+    if not config.recompute_passes or backward_next:
+        return forward(embeddings, labels, received)
+    held = (received,) if config.pipeline_model_parallel_size > 1 else ()
+    with offloading(config, recomputed=True, keep=held):
+        return tensor_parallel.checkpoint(forward, False, embeddings, labels, received)

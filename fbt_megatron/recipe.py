@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import yaml
 
 from fbt_megatron import platform
-
-
-class RecipeError(ValueError):
-    """A recipe or command line that cannot be run; the message names the offending key."""
+from fbt_megatron.errors import RecipeError
 
 
 @dataclass
@@ -58,7 +56,7 @@ class DataSection:
     sft: bool = False
     """Supervised fine-tuning on chat JSONL ({"messages": [{"role": ..., "content": ...}, ...]}):
     train_data_path / valid_data_path are .jsonl files (or data_path a prepared SFT set), tokenised
-    with the tokenizer's chat template and packed whole into rows (fbt_megatron/data/sft.py); each
+    with the tokenizer's chat template and packed whole into rows (fbt_megatron/data/sft/); each
     conversation attends only to itself; loss on assistant tokens only."""
     sft_skip_bad_records: bool = False
     """SFT: skip (and count) bad records instead of stopping at the first with its file and line."""
@@ -330,10 +328,7 @@ class Recipe:
             raise RecipeError("checkpoint.keep_last_n_checkpoints and training.max_bad_steps must be >= 0")
         if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
             raise RecipeError(f"training.exit_duration_in_mins must be > 0, got {t.exit_duration_in_mins}")
-        if t.inject_nan is not None:
-            from fbt_megatron.bad_steps import NaNInjection
-
-            NaNInjection(t.inject_nan)  # a malformed spec: one error line before any work
+        nan_injections(t.inject_nan)  # a malformed spec: one error line before any work
         if c.ckpt_step is not None and c.load is None:
             raise RecipeError("checkpoint.ckpt_step picks a checkpoint of --load: give --load too")
         if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
@@ -391,6 +386,23 @@ class Recipe:
             raise RecipeError("data: set data_path (a corpus folder) or train_data_path (a blend)")
         if self.data.train_data_path is not None and self.data.tokenizer_model is None:
             raise RecipeError("data.train_data_path needs data.tokenizer_model")
+
+
+_INJECTION = re.compile(r"^(loss|grad)@(\d+)(?:-(\d+))?(?::(nan|inf))?$")
+
+
+def nan_injections(spec: Optional[str]) -> Dict[int, Tuple[str, float]]:
+    """``--inject-nan`` (a testing aid, ``bad_steps.NaNInjection``) as step → (what, factor):
+    "loss@3,grad@5-6,grad@9:inf" → {3: ("loss", nan), 5: ("grad", nan), 6: ("grad", nan), 9: ("grad", inf)}."""
+    steps: Dict[int, Tuple[str, float]] = {}
+    for item in filter(None, (spec or "").replace(" ", "").split(",")):
+        m = _INJECTION.match(item)
+        if not m:
+            raise RecipeError(f"training.inject_nan: {item!r} is not WHAT@STEP[-LAST][:nan|inf] (WHAT: loss or grad)")
+        first = int(m.group(2))
+        for step in range(first, int(m.group(3) or first) + 1):
+            steps[step] = (m.group(1), float(m.group(4) or "nan"))
+    return steps
 
 
 # ---------------------------------------------------------------- typed values

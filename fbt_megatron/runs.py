@@ -1,7 +1,7 @@
 """A trained run as one CPU process: what generation, conversion and evaluation start from.
 
 Every checkpoint records the recipe it was trained with and the embedding's vocabulary size
-(``train.TrainState``), so a run folder alone rebuilds its model: fp32, megatron-core's local
+(``checkpointing.TrainState``), so a run folder alone rebuilds its model: fp32, megatron-core's local
 spec, no tensor or pipeline parallelism, whatever layout it was saved from (``dist_checkpointing``
 reshards on load). Like Megatron-LM, the tokenizer is not copied into the run folder: it is the
 recipe's (the corpus's tokenizer file, or a state-tracking task's vocabulary), found where the run
@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from fbt_megatron.recipe import Recipe, RecipeError, recipe_from_dict
+from fbt_megatron.errors import RecipeError
+from fbt_megatron.recipe import Recipe, recipe_from_dict
 
 
 @dataclass
@@ -44,14 +45,6 @@ def run_recipe(folder: str, iteration: Optional[int] = None) -> tuple:
     return recipe_from_dict(state["recipe"]), state
 
 
-def model_config(recipe: Recipe, vocab_size: int):
-    """The run's FBTConfig for one CPU process in fp32."""
-    from fbt_megatron.config import make_config
-
-    return make_config(recipe.model.preset, **{**recipe.model_overrides, "vocab_size": vocab_size,
-                                               "seq_length": recipe.data.seq_length, "params_dtype": torch.float32})
-
-
 def build_inference_model(config):
     """An FBTModel on megatron-core's local spec (no Transformer Engine), eval mode."""
     from fbt_megatron.model import FBTModel, fbt_model_spec
@@ -63,7 +56,7 @@ def load_tokenizer_of(recipe: Recipe, tokenizer_model: Optional[str] = None) -> 
     """(tokenizer, file) of the run: ``tokenizer_model`` if given, else the recipe's."""
     from fbt_megatron.data.corpus import load_corpus
     from fbt_megatron.data.tokenizer import load_tokenizer
-    from fbt_megatron.tasks import state_tracking
+    from fbt_megatron.data import state_tracking
 
     d = recipe.data
     path = tokenizer_model or d.tokenizer_model
@@ -86,11 +79,12 @@ def load_run(folder: str, iteration: Optional[int] = None, tokenizer_model: Opti
     """The run's model with the weights of its latest (or ``iteration``'s) checkpoint, and its
     tokenizer. Initialises a one-process megatron parallel state if none is up."""
     from fbt_megatron import checkpointing, platform
+    from fbt_megatron.config import recipe_config
 
     recipe, state = run_recipe(folder, iteration)
     tokenizer, tokenizer_path = load_tokenizer_of(recipe, tokenizer_model)
     platform.init_distributed(1, 1, recipe.training.seed)
-    model = build_inference_model(model_config(recipe, state["vocab_size"]))
+    model = build_inference_model(recipe_config(recipe, state["vocab_size"]))  # fp32: make_config's default
     checkpointing.load(folder, model, None, None, iteration=iteration)
     return Run(folder, state["iteration"], recipe, model.eval(), tokenizer, tokenizer_path)
 

@@ -30,7 +30,8 @@ from typing import Optional
 
 from fbt_megatron import checkpointing
 from fbt_megatron.config import ARCHITECTURE, FBTConfig, field_default, preset_fields
-from fbt_megatron.recipe import Recipe, RecipeError
+from fbt_megatron.errors import RecipeError
+from fbt_megatron.recipe import Recipe
 
 
 @dataclass

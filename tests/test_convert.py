@@ -10,7 +10,8 @@
   whose standard logits are the HF model's (the decisive test of the mapping); training starts
   from the import at TP2 (slow). Untied, biased or otherwise unmappable checkpoints are one line,
   nothing written.
-* Bad inputs: one ``error:`` line, exit code 2, nothing written.
+* Bad inputs: one ``error:`` line, exit code 2, nothing written. An output folder may be new below
+  missing parents or empty; one that is not empty is refused.
 """
 
 import hashlib
@@ -173,8 +174,9 @@ def synthetic_run(folder: Path, tokenizer: str, iteration: int = 3, **model) -> 
     """A run folder holding random weights (norms too) of a tiny model with ``model`` overrides."""
     from fbt_megatron import checkpointing
     from fbt_megatron.recipe import recipe_from_dict
-    from fbt_megatron.runs import build_inference_model, model_config
-    from fbt_megatron.train import TrainState
+    from fbt_megatron.checkpointing import TrainState
+    from fbt_megatron.config import recipe_config as model_config
+    from fbt_megatron.runs import build_inference_model
 
     recipe = recipe_from_dict({"model": {"preset": "tiny", **model}, "training": {"seed": 5},
                                "data": {"data_path": None, "corpus": None, "tokenizer_model": tokenizer, "seq_length": 64}})
@@ -357,7 +359,8 @@ def test_training_at_tp2_starts_from_an_import(tmp_path, small_corpus):
     from fbt_megatron.fbt import masked_mean
     from fbt_megatron.metrics import read_metrics
     from fbt_megatron.runs import run_recipe
-    from fbt_megatron.train import build_data, microbatches
+    from fbt_megatron.data.build import build_data
+    from fbt_megatron.step import microbatches
 
     recipe, _ = run_recipe(str(tmp_path / "tuned"))
     model = load_run(str(run)).model
@@ -394,13 +397,13 @@ def test_bad_inputs_are_one_error_line(trained, tmp_path):
         (["to-hf", "--load", tmp_path / "missing", "--output", tmp_path / "o1"], "no such run folder"),
         (["to-hf", "--load", tmp_path / "empty_run", "--output", tmp_path / "o2"], "no checkpoint"),
         (["to-hf", "--load", damaged, "--output", tmp_path / "o3"], "is damaged"),
-        (["to-hf", "--load", trained / "run", "--output", trained / "hf"], "exists: choose another --output"),
+        (["to-hf", "--load", trained / "run", "--output", trained / "hf"], "exists and is not empty: choose another --output"),
         (["to-hf", "--load", trained / "run", "--output", tmp_path / "o4", "--ckpt-step", "3"], "--ckpt-step 3"),
         (["to-hf", "--load", trained / "run", "--output", tmp_path / "o5", "--max-shard-size", "lots"], "--max-shard-size"),
         (["from-hf", "--input", tmp_path / "not_hf", "--save", tmp_path / "r1"], "not a Hugging Face model folder"),
         (["from-hf", "--input", tmp_path / "no_weights", "--save", tmp_path / "r5"], "has no model.safetensors"),
         (["from-hf", "--input", tmp_path / "gpt2", "--save", tmp_path / "r2"], "cannot import model_type 'gpt2'"),
-        (["from-hf", "--input", trained / "hf", "--save", trained / "run"], "exists: choose another --save"),
+        (["from-hf", "--input", trained / "hf", "--save", trained / "run"], "exists and is not empty: choose another --save"),
         (["from-hf", "--input", trained / "hf", "--save", tmp_path / "r3", "--tensor-model-parallel-size", "3"],
          "not divisible by --tensor-model-parallel-size 3"),
         (["convert-everything"], "invalid choice"),
@@ -417,3 +420,24 @@ def test_bad_inputs_are_one_error_line(trained, tmp_path):
     code, err = cli("nonsense")
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_output_folders_below_missing_parents_or_empty_are_written(trained, tmp_path):
+    """Through the real CLI: the README's ``to-hf --output exports/NAME`` where ``exports/`` does not
+    exist yet (a fresh clone) writes the export; ``from-hf --save`` into an empty folder made
+    beforehand writes the run there; a folder that is not empty is refused in one line, untouched."""
+    export_dir, run_dir, full = tmp_path / "exports" / "NAME", tmp_path / "empty", tmp_path / "full"
+    run_dir.mkdir()
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    code, err = cli("to-hf", "--load", trained / "run", "--output", export_dir)
+    assert code == 0, err
+    assert files_digest(export_dir) == files_digest(trained / "hf")
+    code, err = cli("from-hf", "--input", export_dir, "--save", run_dir)
+    assert code == 0, err
+    original, imported = load_run(str(trained / "run")).model.state_dict(), load_run(str(run_dir)).model.state_dict()
+    assert all(torch.equal(original[k], imported[k]) for k, v in original.items() if torch.is_tensor(v))
+    code, err = cli("to-hf", "--load", trained / "run", "--output", full)
+    assert (code, err) == (2, f"error: {full} exists and is not empty: choose another --output or remove it\n")
+    assert [p.name for p in full.iterdir()] == ["notes.txt"] and (full / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "exports", "full"]  # no temporary folder left

@@ -1,4 +1,4 @@
-"""The data pipeline: documents → .bin/.idx, GPT datasets, corpus folders, command-line tools."""
+"""The data pipeline: documents → .bin/.idx, GPT datasets, corpus folders (written whole), command-line tools."""
 
 import collections
 import json
@@ -21,6 +21,7 @@ from fbt_megatron.data.documents import iter_documents
 from fbt_megatron.data.preprocess import preprocess
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.data.tokenizer_training import train_tokenizer
+from fbt_megatron.folders import FolderExists, atomic_folder, current_umask
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -260,6 +261,32 @@ def test_failed_prepare_leaves_nothing(stdlib20, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         prepare_corpus(str(stdlib20), str(tmp_path / "out"), vocab_size=512, show_progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
+    """``atomic_folder``, which every folder writer uses (corpus, task, SFT set, to-hf, from-hf): a
+    failure leaves nothing, not even the parents it made; an empty folder is replaced; a folder
+    filled meanwhile by someone else is kept as it is and refused."""
+    with pytest.raises(RuntimeError, match="injected"):
+        with atomic_folder(tmp_path / "new" / "parents" / "out") as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("injected")
+    assert list(tmp_path.iterdir()) == []
+
+    (tmp_path / "empty").mkdir()
+    with atomic_folder(tmp_path / "empty") as tmp:
+        assert set(tmp_path.iterdir()) == {tmp_path / "empty", tmp} and tmp.name.startswith(".empty.tmp-")
+        (tmp / "done.txt").write_text("mine")
+    assert [(p.name, p.read_text()) for p in (tmp_path / "empty").iterdir()] == [("done.txt", "mine")]
+    assert oct((tmp_path / "empty").stat().st_mode & 0o777) == oct(0o777 & ~current_umask())  # not mkdtemp's 0o700
+
+    with pytest.raises(FolderExists, match="exists and is not empty"):
+        with atomic_folder(tmp_path / "raced") as tmp:
+            (tmp / "ours.txt").write_text("ours")
+            (tmp_path / "raced").mkdir()
+            (tmp_path / "raced" / "theirs.txt").write_text("theirs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "raced"]
+    assert [p.name for p in (tmp_path / "raced").iterdir()] == ["theirs.txt"]
 
 
 def test_prepare_refuses_a_folder_that_is_not_a_corpus(stdlib20, tmp_path):

@@ -131,7 +131,7 @@ def test_probes_on_a_state_tracking_run_are_deterministic(st, tmp_path):
 # ---------------------------------------------------------------- generation
 def test_decoding_accuracy_agrees_with_tasks_evaluate(st, tmp_path):
     from fbt_megatron.tasks.evaluate import FULL, accuracy_by_position
-    from fbt_megatron.tasks.state_tracking import SPLIT_SEEDS
+    from fbt_megatron.data.state_tracking import SPLIT_SEEDS
 
     run = st
     one_token = generation.generation(run, [1], lengths=[1, 2], prompt_length=1, sequences=16)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fbt_megatron import checkpointing, train
+from fbt_megatron import build, checkpointing, train
 from fbt_megatron.bad_steps import optimizer_step
 from fbt_megatron.metrics import read_metrics
 from forked import Signal, run_commands
@@ -54,8 +54,8 @@ def test_a_skipped_step_is_a_step_that_never_happened(name, precision):
     recipe = train.parse_args(["--recipe", TINY, "--optimizer", name, *precision, "--seq-length", "32", "--num-layers", "2"])
     copies = []
     for _ in range(2):
-        config, model, ddp = train.build_model(recipe, 256)
-        optimizer, _ = train.build_optimizer(recipe, config, ddp)
+        config, model, ddp = build.build_model(recipe, 256)
+        optimizer, _ = build.build_optimizer(recipe, config, ddp)
         copies.append((model, optimizer))
     (model_a, opt_a), (model_b, opt_b) = copies
     model_b.load_state_dict(model_a.state_dict())

@@ -119,12 +119,13 @@ def test_parameter_split():
                                                 ("--weight-decay-schedule", "adamc", "--weight-decay-schedule")])
 def test_resuming_with_another_adam_lr_or_weight_decay_schedule_needs_a_choice(flag, value, change):
     from fbt_megatron import train
+    from fbt_megatron.optimizers import schedule
     from fbt_megatron.recipe import RecipeError
 
     base = ["--recipe", "recipes/tiny_cpu.yaml", "--optimizer", "normuon", "--adam-lr", "5e-4", "--load", "RUN"]
-    saved = {"iteration": 4, "lr_schedule": train.lr_schedule(train.parse_args(base))}
+    saved = {"iteration": 4, "lr_schedule": schedule.lr_schedule(train.parse_args(base))}
     with pytest.raises(RecipeError, match=f"another learning-rate schedule \\({change}"):
-        train.choose_schedule(train.parse_args([*base, flag, value]), saved)
+        schedule.choose_schedule(train.parse_args([*base, flag, value]), saved)
 
 
 # ---------------------------------------------------------------- layouts, through the entry point

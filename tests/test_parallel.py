@@ -17,7 +17,7 @@ import pytest
 
 import equivalence
 from fbt_megatron.config import PRESETS
-from fbt_megatron.fbt import PassPhase, PassSchedule
+from fbt_megatron.passes import PassPhase, PassSchedule
 from fbt_megatron.metrics import read_metrics
 from forked import run_commands
 from helpers import launch

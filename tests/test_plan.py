@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmark import Batch, SavedActivations, storage_ptrs
-from fbt_megatron import fbt, train
+from benchmarks.measure import Batch, SavedActivations, storage_ptrs
+from fbt_megatron import build, fbt, train
 from fbt_megatron.cli import run_cli
 from fbt_megatron.metrics import tensorboard_scalars
 from fbt_megatron.plan import format_plan, make_plan, memory
 from fbt_megatron.plan.__main__ import main as plan_main
 from fbt_megatron.plan.flops import flops_per_token
 from fbt_megatron.plan.gpus import GPUS
-from fbt_megatron.plan.planner import vocab_size
-from fbt_megatron.recipe import Recipe, load_recipe
+from fbt_megatron.plan.planner import batch_fit, vocab_size
+from fbt_megatron.recipe import Recipe, RecipeError, load_recipe
 from test_param_count import backbone_formula
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +79,36 @@ def test_a_layout_that_cannot_fit_is_refused_in_one_line(capsys):
     assert plan_main([*argv[:6], "--gpu-memory-gb", "80", *argv[8:], "--recompute-passes", "true"]) == 0  # fits with pass recompute
 
 
+PAPER_ON_8X8 = (  # fbt_1b_100b on 8 nodes x 8 GPUs at TP 2: DP 32; 36 x 339,085 sequences = 32 x 381,470.6 = 64 x 190,735.3
+    "training.global_batch_size 36 is not a multiple of micro_batch_size 1 x data-parallel size 32 on 64 GPUs; the nearest "
+    "that fit, with the --train-iters that keep the run's 100.00B tokens: --global-batch-size 32 --train-iters 381471 or "
+    "--global-batch-size 64 --train-iters 190736 (--fit-global-batch applies the nearest)")
+
+
+def test_a_global_batch_that_does_not_divide_names_the_nearest_that_do(capsys):
+    """The paper recipe on the most common allocation (8 x 8): refused with the batches that fit and
+    the --train-iters that keep its tokens; --fit-global-batch applies the nearest and says so."""
+    argv = ["--recipe", str(ROOT / "recipes" / "fbt_1b_100b.yaml"), "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100"]
+    with pytest.raises(SystemExit) as exit:
+        run_cli(lambda: plan_main(argv))
+    assert exit.value.code == 2 and capsys.readouterr().err == f"error: {PAPER_ON_8X8}\n"
+    with pytest.raises(RecipeError) as refused:  # train --dry-run's line: the same, without the planner's flag
+        make_plan(load_recipe(argv[1]), 64, GPUS["h100"])
+    assert str(refused.value) == PAPER_ON_8X8.removesuffix(" (--fit-global-batch applies the nearest)")
+    assert plan_main([*argv, "--fit-global-batch"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--fit-global-batch: global batch 36 → 32 sequences (DP 32 on 64 GPUs), --train-iters 339085 → "
+                          "381471 (the same 100.00B tokens, rounded up)\n"), out
+    assert "381,471 × 32 sequences × 8,192 tokens = 100,000,333,824 tokens" in out and "DP 32 = 64" in out
+    assert 381471 * 32 >= 339085 * 36 > 381470 * 32  # rounded up: never fewer tokens, by less than one step
+
+    recipe = load_recipe(str(ROOT / "recipes" / "tiny_cpu.yaml"))  # micro batch 8, global 16
+    recipe.parallel.pipeline_model_parallel_size = 2
+    fit = batch_fit(recipe, 4)  # DP 2: one microbatch per step, not a whole pipeline round
+    assert fit.options == [(32, 400)] and "gives 1 microbatch per step" in fit.problem()
+    assert batch_fit(recipe, 2) is None  # DP 1: 2 microbatches
+
+
 def test_dry_run_prints_the_plan_without_data_or_process_group(tmp_path):
     """The entry point in a fresh process, on a paper recipe whose data are placeholders."""
     run = subprocess.run([sys.executable, "-m", "fbt_megatron.train", "--recipe", "recipes/fbt_1b_100b.yaml", "--dry-run",
@@ -120,8 +150,8 @@ def test_memory_estimate_matches_a_real_cpu_step(passes, fields):
     recipe.data.seq_length, recipe.training.micro_batch_size, recipe.training.global_batch_size = 64, 4, 4
     recipe.passes.passes = passes
     vocab = vocab_size(recipe)
-    config, model, ddp = train.build_model(recipe, vocab)
-    optimizer, _ = train.build_optimizer(recipe, config, ddp)
+    config, model, ddp = build.build_model(recipe, vocab)
+    optimizer, _ = build.build_optimizer(recipe, config, ddp)
     batch = Batch.random(4, 64, vocab, seed=0)
     params = list(model.parameters())
     ddp.start_step(passes)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fbt_megatron.fbt import PassPhase, PassSchedule
+from fbt_megatron.passes import PassPhase, PassSchedule
 from fbt_megatron.flags import parse as parse_flags
 from fbt_megatron.recipe import RecipeError, load_recipe
 

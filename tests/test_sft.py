@@ -1,4 +1,4 @@
-"""The SFT stage (fbt_megatron/data/sft.py, fbt.PackedRows): the loss mask token by token, packed
+"""The SFT stage (fbt_megatron/data/sft/, data/packed_rows.py): the loss mask token by token, packed
 rows against each conversation alone for every pass, bad records, and a run of the entry point."""
 
 import json
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fbt_megatron import fbt
-from fbt_megatron.data import sft
+from fbt_megatron.data.sft import chat, packing
+from fbt_megatron.data.packed_rows import PackedRows
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.metrics import read_metrics
 from forked import run_commands
@@ -28,7 +29,7 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def encoder(small_corpus):
     tokenizer = load_tokenizer(small_corpus.tokenizer_path)
-    return sft.ChatEncoder(tokenizer, sft.DEFAULT_CHAT_TEMPLATE, "the default chat template")
+    return chat.ChatEncoder(tokenizer, chat.DEFAULT_CHAT_TEMPLATE, "the default chat template")
 
 
 def test_loss_mask_is_on_assistant_tokens_only(encoder):
@@ -48,7 +49,7 @@ def test_loss_mask_is_on_assistant_tokens_only(encoder):
     assert got_ids.tolist() == ids and got_assistant.tolist() == [bool(g) for g in generated]
 
     n = len(ids) - 1
-    dataset = sft.SFTDataset([sft.Conversation(got_ids, got_assistant)], seq_length=n + 5, seed=0, pad=tok.pad)
+    dataset = packing.SFTDataset([chat.Conversation(got_ids, got_assistant)], seq_length=n + 5, seed=0, pad=tok.pad)
     row = dataset[0]
     assert row["tokens"][:n].tolist() == ids[:-1] and row["labels"][:n].tolist() == ids[1:]
     assert row["loss_mask"].tolist() == [float(g) for g in generated[1:]] + [0.0] * 5  # padding: no loss
@@ -61,9 +62,9 @@ def test_loss_mask_is_on_assistant_tokens_only(encoder):
     assert tok.detokenize(labels[first + 1:-1]) == "loads(s, **kw)\n" and labels[-1] == tok.eod
 
 
-def _conversation(g: torch.Generator, length: int, prompt: int) -> sft.Conversation:
+def _conversation(g: torch.Generator, length: int, prompt: int) -> chat.Conversation:
     ids = torch.randint(0, 1024, (length,), generator=g).numpy()
-    return sft.Conversation(ids, np.arange(length) >= prompt)
+    return chat.Conversation(ids, np.arange(length) >= prompt)
 
 
 def _pass_losses(model, tokens, labels, feedback_fn, packed=None, k=3):
@@ -83,11 +84,11 @@ def test_packed_rows_equal_conversations_alone():
     g = torch.Generator().manual_seed(0)
     shapes = [(41, 9), (20, 6), (23, 11)]  # (tokens, prompt tokens): 40 + 19 + 22 = 81 positions
     conversations = [_conversation(g, n, p) for n, p in shapes]
-    dataset = sft.SFTDataset(conversations, seq_length=96, seed=0, pad=0)
+    dataset = packing.SFTDataset(conversations, seq_length=96, seed=0, pad=0)
     assert len(dataset) == 1
     row = dataset.row(dataset.rows[0])
     as_batch = {k: torch.as_tensor(v).unsqueeze(0) for k, v in row.items()}
-    packed = fbt.PackedRows(as_batch["segments"], as_batch["plain"])
+    packed = PackedRows(as_batch["segments"], as_batch["plain"])
     model = build(seq_length=96).eval()
     got = _pass_losses(model, as_batch["tokens"], as_batch["labels"],
                        fbt.default_feedback(model, as_batch["tokens"], [0], packed), packed)
@@ -98,7 +99,7 @@ def test_packed_rows_equal_conversations_alone():
     assert len(starts) == 4 and not feedback.fuse_mask[starts, 0].any()  # 3 conversations + the padding
     assert not (feedback.fuse_mask[:, 0] & as_batch["plain"][0]).any()
     model.train()  # the random prefix mixin (training) also never fuses a conversation's first position
-    random = fbt.PackedRows(as_batch["segments"], as_batch["plain"], prompt_prefix=False)
+    random = PackedRows(as_batch["segments"], as_batch["plain"], prompt_prefix=False)
     assert not fbt.default_feedback(model, as_batch["tokens"], [0], random)(torch.zeros(96, 1, 64), 2).fuse_mask[starts, 0].any()
     model.eval()
 
@@ -139,11 +140,11 @@ def test_bad_records_name_file_and_line_or_are_skipped_and_counted(encoder, tmp_
         path = tmp_path / f"{kind.replace(' ', '_')}.jsonl"
         path.write_text(f"{GOOD}\n\n{line}\n{GOOD}\n")
         with pytest.raises(ValueError) as e:
-            sft.read_conversations(str(path), encoder, 64, skip_bad=False)
+            chat.read_conversations(str(path), encoder, 64, skip_bad=False)
         assert str(e.value).startswith(f"{path}:3: ") and "--sft-skip-bad-records" in str(e.value), (kind, e.value)
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text("\n".join([GOOD, *BAD.values(), BAD["empty content"], GOOD]) + "\n")
-    kept = sft.read_conversations(str(mixed), encoder, 64, skip_bad=True)
+    kept = chat.read_conversations(str(mixed), encoder, 64, skip_bad=True)
     assert len(kept) == 2
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [f"sft: skipped 8 bad records of {mixed} (2 empty content, 1 invalid JSON, 1 longer than the sequence, "
@@ -175,5 +176,5 @@ def test_sft_run_through_the_entry_point(small_corpus, tmp_path):
     assert [r["k"] for r in records] == [3, 3, 3, 3]
     assert all(np.isfinite(r["valid_loss_fused3"]) for r in records[-1:])
     assert (tmp_path / "bad.err").read_text().strip().splitlines() == [
-        f"error: {bad}:2: message 1 (user) has empty or missing content; {sft.SKIP_HINT}"]
+        f"error: {bad}:2: message 1 (user) has empty or missing content; {chat.SKIP_HINT}"]
     assert not (tmp_path / "bad").exists()

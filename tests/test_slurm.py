@@ -11,20 +11,24 @@ import json
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fbt_megatron.metrics import read_metrics
+from fbt_megatron.plan.planner import batch_fit
+from fbt_megatron.recipe import load_recipe
 from forked import run_commands
 from slurm_cluster import LocalSlurm, missing_binaries
 from test_train import SMALL, train_many
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
-SUBMIT = "fbt_megatron.slurm.__main__"
+SUBMIT = "slurm_submit"  # python -m fbt_megatron.slurm, its imports loaded once (tests/slurm_submit.py)
 
 
 @pytest.fixture(scope="module")
@@ -79,40 +83,209 @@ def wait_until(condition, what: str, timeout: float = 300):
         time.sleep(0.2)
 
 
-def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(tmp_path):
-    common = ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "4", "--time", "04:00:00",
-              "--partition", "gpu", "--account", "proj", "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3",
-              "--runs-root", str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs"), "--dry-run"]
-    bad = {
-        "--recipe missing.yaml": ["submit", "--recipe", "missing.yaml", "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00"],
-        "--nodes 0": ["submit", "--recipe", str(TINY), "--nodes", "0", "--gpus-per-node", "0", "--time", "01:00:00"],
-        "--time 90": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "90"],
-        "unknown flag --bogus": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
-                                 "--", "--bogus", "1"],
-        "--chain sets each stage's": ["submit", "--chain", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
-                                      "--", "--save", "x"],
+PAPER_CHAIN = ["fbt_1b_100b", "longctx_32k", "sft"]  # the README's chain
+IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
+BAD = {  # the one line a mistake gets: (the line contains, the command after "submit")
+    "--recipe missing.yaml": ["--recipe", "missing.yaml", "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00"],
+    "--nodes 0": ["--recipe", str(TINY), "--nodes", "0", "--gpus-per-node", "0", "--time", "01:00:00"],
+    "--time 90": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "90"],
+    "unknown flag --bogus": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--", "--bogus", "1"],
+    "--chain sets each stage's": ["--chain", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--", "--save", "x"],
+    "--env NCCL_DEBUG: expected NAME=VALUE": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                                              "--env", "NCCL_DEBUG"],
+    "--no-exclusive: give --cpus-per-task": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                                            "--no-exclusive"],
+    "--container-mounts: mounts are for --container-image": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0",
+                                                             "--time", "01:00:00", "--container-mounts", "/data:/data"],
+    "--stage-args sft: no such stage": ["--chain", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                                        "--stage-args", "sft=--train-iters 3"],
+}
+
+
+def planner_refusal(name: str, world_size: int) -> str:
+    """The planner's own line for a recipe's global batch on a world (python -m fbt_megatron.plan's)."""
+    return batch_fit(load_recipe(str(ROOT / "recipes" / f"{name}.yaml")), world_size).problem()
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """Every ``--dry-run`` of this module in one interpreter (``submit_many``): {case: (exit code,
+    output)}, with the folder, the data files given to the paper chain and the planner's lines."""
+    tmp = tmp_path_factory.mktemp("dry-runs")
+    data = {"web": tmp / "data" / "web_text_document", "long": tmp / "data" / "long_text_document",
+            "tokenizer": tmp / "data" / "tokenizer.model", "chat": tmp / "data" / "chat_train.jsonl",
+            "chat_valid": tmp / "data" / "chat_valid.jsonl", "export": tmp / "export"}
+    (tmp / "data").mkdir()
+    for path in [data["web"].with_suffix(".bin"), data["web"].with_suffix(".idx"), data["long"].with_suffix(".bin"),
+                 data["long"].with_suffix(".idx"), data["tokenizer"], data["chat"], data["chat_valid"]]:
+        path.write_text("")  # only their presence is checked before submitting
+    data["export"].mkdir()
+    (data["export"] / "config.json").write_text("{}")
+    refusals = {name: planner_refusal(name, 64) for name in PAPER_CHAIN[:2]}  # sft's batch of 64 divides over DP 32
+    suggested = {name: re.search(r"--global-batch-size \d+ --train-iters \d+", line)[0] for name, line in refusals.items()}
+
+    tiny = ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "4", "--time", "04:00:00", "--partition", "gpu",
+            "--account", "proj", "--container-image", IMAGE, "--container-mounts", "/data:/data", "--sbatch-option=--qos=high",
+            "--env", "NCCL_SOCKET_IFNAME=ib0", "--runs-root", str(tmp / "runs"), "--log-dir", str(tmp / "logs"), "--dry-run"]
+    chain = ["submit", "--chain", *(str(ROOT / "recipes" / f"{n}.yaml") for n in PAPER_CHAIN), "--nodes", "8",
+             "--gpus-per-node", "8", "--gpu", "h100", "--time", "04:00:00", "--runs-root", str(tmp / "runs" / "1b"), "--dry-run"]
+    data_args = ["--stage-args", f"fbt_1b_100b=--train-data-path [{data['web']}]",
+                 "--stage-args", f"longctx_32k=--train-data-path [{data['long']}]",
+                 "--stage-args", f"sft=--train-data-path [{data['chat']}] --valid-data-path [{data['chat_valid']}]",
+                 "--container-image", IMAGE, "--", "--tokenizer-model", str(data["tokenizer"])]
+    cases = {
+        "torchrun": [*tiny, "--", "--train-iters", "7", "--micro-batch-size", "2"],
+        "tasks": [*tiny, "--launch", "tasks", "--exit-margin", "10", "--no-exclusive", "--cpus-per-task", "12",
+                  "--", "--micro-batch-size", "2"],
+        "missing data": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--dry-run",
+                         "--", "--train-data-path", f"[{tmp / 'missing'}]", "--tokenizer-model", str(data["tokenizer"])],
+        "paper chain": chain,
+        "memory": ["submit", "--recipe", str(ROOT / "recipes" / "fbt_1b_100b.yaml"), "--nodes", "1", "--gpus-per-node", "4",
+                   "--gpu-memory-gb", "24", "--time", "04:00:00", "--container-image", IMAGE, "--dry-run", "--",
+                   "--tensor-model-parallel-size", "1", "--sequence-parallel", "false", "--train-data-path", f"[{data['web']}]",
+                   "--tokenizer-model", str(data["tokenizer"])],
+        "suggested": [*chain, *(a for name, flags in suggested.items() for a in ("--stage-args", f"{name}={flags}")), *data_args],
+        "fitted": [*chain, "--fit-global-batch", *data_args],
+        "serve": ["serve", str(data["export"]), "--time", "08:00:00", "--partition", "gpu", "--container-image", IMAGE,
+                  "--port", "8100", "--log-dir", str(tmp / "logs"), "--dry-run", "--", "--max-model-len", "512"],
+        "serve placeholder": ["serve", "/path/to/export", "--time", "08:00:00", "--dry-run"],
+        "evaluate": ["evaluate", str(data["export"]), "--output", str(tmp / "eval" / "x.md"), "--time", "01:00:00",
+                     "--container-image", IMAGE, "--log-dir", str(tmp / "logs"), "--dry-run", "--", "--modes", "standard"],
+        **{bad: ["submit", *argv] for bad, argv in BAD.items()},
     }
-    results = submit_many(tmp_path, [[*common, "--", "--train-iters", "7"], [*common, "--launch", "tasks", "--exit-margin", "10"],
-                                     *bad.values()])
-    (code_torchrun, torchrun), (code_tasks, tasks) = results[:2]
+    results = submit_many(tmp, list(cases.values()))
+    return dict(zip(cases, results)), tmp, data, refusals
+
+
+def scripts(output: str) -> dict:
+    """The job scripts of a --dry-run by job name, each checked by ``bash -n``."""
+    parts = re.split(r"^# ---- (\S+): sbatch --parsable.*$", output, flags=re.M)
+    jobs = dict(zip(parts[1::2], parts[2::2]))
+    for name, script in jobs.items():
+        syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+        assert syntax.returncode == 0 and script.lstrip().startswith("#!/bin/bash"), (name, syntax.stderr)
+    return jobs
+
+
+def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
+    cases, tmp, _, _ = dry_runs
+    (code_torchrun, torchrun), (code_tasks, tasks) = cases["torchrun"], cases["tasks"]
     assert code_torchrun == 0 and code_tasks == 0, torchrun + tasks
-    save = tmp_path / "runs" / "tiny_cpu"
+    save = tmp / "runs" / "tiny_cpu"
+    [torchrun], [tasks] = scripts(torchrun).values(), scripts(tasks).values()
     for script in (torchrun, tasks):
         for line in ["#SBATCH --nodes=2", "#SBATCH --time=04:00:00", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                     f"#SBATCH --output={tmp_path}/logs/tiny_cpu-%j.out", "#SBATCH --signal=B:USR1@180",
-                     "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4",
-                     "CONTAINER=(--container-image=nvcr.io/nvidia/pytorch:25.01-py3", f"SAVE={save}", "scontrol requeue"]:
+                     f"#SBATCH --output={tmp}/logs/tiny_cpu-%j.out", "#SBATCH --signal=B:USR1@180",
+                     "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4", "#SBATCH --qos=high",
+                     f"CONTAINER=(--container-image={IMAGE} --container-mounts={ROOT}:{ROOT},/data:/data", f"SAVE={save}",
+                     "scontrol requeue", "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}",
+                     "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}$" "{PYTHONPATH:+:$PYTHONPATH}",
+                     'srun --cpus-per-task="$CPUS_PER_TASK"', 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK"']:
             assert line in script, line
-        body = script[script.index("#!/bin/bash"):]
-        syntax = subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True)
-        assert syntax.returncode == 0, syntax.stderr
+        assert script.index("#SBATCH --qos=high") < script.index("set -uo pipefail")  # extra lines among the directives
+        assert script.index("NCCL_IB_TIMEOUT") < script.index("NCCL_SOCKET_IFNAME=ib0")  # --env after the defaults: it wins
+    assert "#SBATCH --exclusive" in torchrun and "--cpus-per-task=" not in torchrun.split("set -uo")[0]
+    assert "CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-$((SLURM_CPUS_ON_NODE / 1))}" in torchrun  # the node's CPUs to torchrun
+    assert "#SBATCH --cpus-per-task=12" in tasks and "#SBATCH --exclusive" not in tasks
     assert "#SBATCH --ntasks-per-node=1" in torchrun and "LAUNCH=torchrun" in torchrun and "PROCS_PER_NODE=4" in torchrun
-    assert f"TRAIN_ARGS=(--recipe {TINY} --train-iters 7 --save {save} --load {save})" in torchrun
+    assert f"TRAIN_ARGS=(--recipe {TINY} --train-iters 7 --micro-batch-size 2 --save {save} --load {save})" in torchrun
     assert "TRAIN_ITERS=7" in torchrun and "TRAIN_ITERS=800" in tasks  # the recipe's, or the flag's
     assert "#SBATCH --ntasks-per-node=4" in tasks and "LAUNCH=tasks" in tasks
     assert f"--exit-duration-in-mins 230 --save {save}" in tasks  # 4 h minus the 10-minute --exit-margin
-    for (code, output), (expected, _) in zip(results[2:], bad.items()):
+    for expected in BAD:
+        code, output = cases[expected]
         assert code == 2 and output.count("\n") == 1 and output.startswith("error: ") and expected in output, output
+    code, output = cases["missing data"]
+    missing = tmp / "missing"
+    assert code == 2 and output.splitlines() == [
+        f"error: tiny_cpu: data.train_data_path {missing}: {missing}.bin and {missing}.idx not found (expected: a Megatron "
+        f"blend; relative paths start at {ROOT})", "error: nothing submitted: 1 problem (the lines above)"], output
+
+
+def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_the_suggested_flags(dry_runs):
+    """The README's chain on 8 nodes x 8 GPUs: every problem of every stage is one line, the
+    planner's own where the global batch does not divide (with the flags that fit), placeholders
+    by name, this machine's CPU-only torch for GPU nodes; nothing is rendered. With the suggested
+    flags (per stage) and data, or with --fit-global-batch, every stage plans and renders."""
+    cases, tmp, data, refusals = dry_runs
+    code, output = cases["paper chain"]
+    assert "--global-batch-size 32 --train-iters 381471 or --global-batch-size 64 --train-iters 190736" in refusals["fbt_1b_100b"]
+    assert "--global-batch-size 16 --train-iters 22889 (" in refusals["longctx_32k"]  # 8 sequences over DP 16: only up
+    placeholder = "error: {}: data.{} /path/to/{} is a placeholder: give {} (--{})"
+    expected = [
+        f"error: fbt_1b_100b: {refusals['fbt_1b_100b']}",
+        placeholder.format("fbt_1b_100b", "train_data_path", "your_text_document", "a Megatron blend", "train-data-path"),
+        placeholder.format("fbt_1b_100b", "tokenizer_model", "tokenizer.model", "the tokenizer file", "tokenizer-model"),
+        f"error: longctx_32k: {refusals['longctx_32k']}",
+        placeholder.format("longctx_32k", "train_data_path", "your_long_text_document", "a Megatron blend", "train-data-path"),
+        placeholder.format("longctx_32k", "tokenizer_model", "tokenizer.model", "the tokenizer file", "tokenizer-model"),
+        placeholder.format("sft", "train_data_path", "chat_train.jsonl", "chat .jsonl files", "train-data-path"),
+        placeholder.format("sft", "valid_data_path", "chat_valid.jsonl", "chat .jsonl files", "valid-data-path"),
+        placeholder.format("sft", "tokenizer_model", "tokenizer.model", "the tokenizer file", "tokenizer-model"),
+    ]
+    if torch.version.cuda is None:  # this machine's torch, which GPU nodes would run without a container
+        expected.append(f"error: GPU jobs without --container-image run {sys.executable}, whose torch {torch.__version__} is a "
+                        "CPU-only build: give --container-image IMAGE (e.g. nvcr.io/nvidia/pytorch:25.01-py3), or submit "
+                        "from an environment with a CUDA torch (requirements-gpu.txt)")
+    expected.append(f"error: nothing submitted: {len(expected)} problems (the lines above); the flags of one stage of a chain: "
+                    "--stage-args STAGE='FLAGS'")
+    assert code == 2 and output.splitlines() == expected, output
+
+    code, output = cases["memory"]  # a layout that does not fit 24 GiB GPUs: the planner's line
+    assert code == 2 and output.startswith("error: fbt_1b_100b: does not fit: ") and "activations alone" in output, output
+    assert output.splitlines()[1:] == ["error: nothing submitted: 1 problem (the lines above)"], output
+
+    plans = {}
+    for case in ("suggested", "fitted"):
+        code, output = cases[case]
+        assert code == 0, output
+        jobs = scripts(output)
+        assert list(jobs) == [*PAPER_CHAIN, "sft-eval"]
+        plans[case] = [line for line in output.splitlines() if ": plan: " in line]
+        assert [line.split(":")[0] for line in plans[case]] == PAPER_CHAIN
+        iters = [re.search(r"^TRAIN_ITERS=(\d+)$", jobs[name], flags=re.M)[1] for name in PAPER_CHAIN]
+        assert iters == ["381471", "22889", "22889"], iters
+        train_args = {name: re.search(r"^TRAIN_ARGS=\((.*)\)$", jobs[name], flags=re.M)[1] for name in PAPER_CHAIN}
+        assert "--global-batch-size 32 --train-iters 381471" in train_args["fbt_1b_100b"]
+        assert "--global-batch-size 16 --train-iters 22889" in train_args["longctx_32k"]
+        assert "--global-batch-size" not in train_args["sft"]  # its 64 sequences split over DP 32 as they are
+        assert train_args["longctx_32k"].endswith(f"--pretrained-checkpoint {tmp}/runs/1b/fbt_1b_100b")
+        assert f"--train-data-path '[{data['long']}]'" in train_args["longctx_32k"]  # --stage-args: this stage's only
+    assert plans["suggested"] == plans["fitted"]
+    assert plans["fitted"][0].startswith("fbt_1b_100b: plan: 64 GPUs as TP 2 × PP 1 × CP 1 × DP 32; 381,471 steps × 32 × "
+                                         "8,192 tokens (100.00B); ") and " GiB per GPU estimated of 80.0; " in plans["fitted"][0]
+    assert plans["fitted"][1].startswith("longctx_32k: plan: 64 GPUs as TP 2 × PP 1 × CP 2 × DP 16; 22,889 steps × 16 × 32,768")
+    fitted = cases["fitted"][1]
+    assert ("fbt_1b_100b: --fit-global-batch: global batch 36 → 32 sequences (DP 32 on 64 GPUs), --train-iters 339085 → "
+            "381471 (the same 100.00B tokens, rounded up)") in fitted
+    assert "longctx_32k: --fit-global-batch: global batch 8 → 16 sequences (DP 16 on 64 GPUs), --train-iters 45777 → 22889" in fitted
+    print("\n" + "\n".join(cases["paper chain"][1].splitlines() + plans["fitted"]))
+
+
+def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
+    """``serve EXPORT``: ``vllm serve`` on one GPU with 8 CPUs; ``evaluate``: tools/eval.py with the
+    vLLM backend; a placeholder export and a GPU job on this CPU-only environment are refused."""
+    cases, tmp, data, _ = dry_runs
+    code, output = cases["serve"]
+    assert code == 0, output
+    [(name, serve)] = scripts(output).items()
+    assert name == "serve-export"
+    for line in ["#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --time=08:00:00", "#SBATCH --partition=gpu",
+                 "#SBATCH --gpus-per-node=1", "#SBATCH --cpus-per-task=8", f"#SBATCH --output={tmp}/logs/serve-export-%j.out",
+                 f'"${{CONTAINER[@]}}" vllm serve {data["export"]} \\\n    --host 0.0.0.0 --port 8100 --max-model-len 512',
+                 f"serves {data['export']} at http://$(hostname):8100/v1", "export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}"]:
+        assert line in serve, line
+    code, output = cases["evaluate"]
+    assert code == 0, output
+    [evaluate] = scripts(output).values()
+    assert (f"tools/eval.py {data['export']} \\\n    --cache {tmp}/eval/exports --output {tmp}/eval/x.md --backend vllm "
+            "--modes standard") in evaluate and "#SBATCH --gpus-per-node=1" in evaluate
+    code, output = cases["serve placeholder"]
+    lines = output.splitlines()
+    assert code == 2 and lines[0] == "error: export /path/to/export is a placeholder: give an export folder", output
+    if torch.version.cuda is None:
+        assert "whose torch" in output and "is a CPU-only build" in output
+    assert lines[-1].startswith(f"error: nothing submitted: {len(lines) - 1} problem")
 
 
 @pytest.mark.slow

@@ -181,7 +181,7 @@ def test_no_load_rng_keeps_this_runs_random_streams(stages):
     import torch
 
     from fbt_megatron.recipe import recipe_from_dict
-    from fbt_megatron.train import build_model, build_optimizer
+    from fbt_megatron.build import build_model, build_optimizer
 
     source = stages.path("source")
     saved = checkpointing.read_train_state(source, iteration=2)

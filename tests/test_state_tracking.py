@@ -13,7 +13,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from fbt_megatron.fbt import Feedback
 from fbt_megatron.tasks.evaluate import FULL, bucket_accuracy, bucket_labels, pass_logits
-from fbt_megatron.tasks.state_tracking import GROUPS, load_task, prepare_task, task_name
+from fbt_megatron.data.state_tracking import GROUPS, load_task, prepare_task, task_name
 from forked import run_commands
 from helpers import build
 

@@ -157,14 +157,16 @@ def test_extending_a_run_says_which_learning_rate_curve_applies(tmp_path, small_
 
 def test_a_validation_split_smaller_than_the_validation_asks_for_is_a_warning(small_corpus):
     from fbt_megatron import train as entry
+    from fbt_megatron.data.build import build_data
+    from fbt_megatron.metrics import validation_note
 
     flags = ["--recipe", TINY, "--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null",
              "--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "2"]
     fits = entry.parse_args([*flags, "--eval-iters", "1"])
-    assert entry.validation_note(entry.build_data(fits, 0).valid, fits) is None
+    assert validation_note(build_data(fits, 0).valid, fits) is None
     tokens = small_corpus.tokens["valid"]
     repeats = entry.parse_args([*flags, "--eval-iters", str(tokens // 64)])
-    note = entry.validation_note(entry.build_data(repeats, 0).valid, repeats)
+    note = validation_note(build_data(repeats, 0).valid, repeats)
     assert note == (f"warning: validation reads {tokens // 64 * 4} sequences of 64 tokens but its split holds {tokens:,} "
                     f"tokens ({(tokens - 1) // 64} distinct sequences): they repeat; use a larger validation split or "
                     f"fewer --eval-iters")
@@ -182,20 +184,22 @@ def test_a_validation_split_smaller_than_the_validation_asks_for_is_a_warning(sm
 )
 def test_every_change_of_the_learning_rate_curve_on_resume_needs_a_choice(flag, value, change):
     from fbt_megatron import train as entry
+    from fbt_megatron.optimizers import schedule
 
     base = ["--recipe", TINY, "--train-iters", "8", "--lr-warmup-iters", "2", "--load", "RUN"]
-    saved = {"iteration": 4, "lr_schedule": entry.lr_schedule(entry.parse_args(base))}
+    saved = {"iteration": 4, "lr_schedule": schedule.lr_schedule(entry.parse_args(base))}
     with pytest.raises(RecipeError, match=f"another learning-rate schedule \\({change}.*\\): add --override"):
-        entry.choose_schedule(entry.parse_args([*base, flag, value]), saved)
-    ours, note = entry.choose_schedule(entry.parse_args([*base, flag, value, "--override-opt-param-scheduler"]), saved)
-    assert ours == entry.lr_schedule(entry.parse_args([*base, flag, value])) and "this run's applies" in note
-    theirs, note = entry.choose_schedule(entry.parse_args([*base, flag, value, "--use-checkpoint-opt-param-scheduler"]), saved)
+        schedule.choose_schedule(entry.parse_args([*base, flag, value]), saved)
+    ours, note = schedule.choose_schedule(entry.parse_args([*base, flag, value, "--override-opt-param-scheduler"]), saved)
+    assert ours == schedule.lr_schedule(entry.parse_args([*base, flag, value])) and "this run's applies" in note
+    theirs, note = schedule.choose_schedule(entry.parse_args([*base, flag, value, "--use-checkpoint-opt-param-scheduler"]), saved)
     assert theirs == saved["lr_schedule"] and "the checkpoint's applies" in note
 
 
 def test_a_constant_learning_rate_extends_without_a_choice():
     from fbt_megatron import train as entry
+    from fbt_megatron.optimizers import schedule
 
     base = ["--recipe", TINY, "--lr-decay-style", "constant", "--load", "RUN"]
-    saved = {"iteration": 8, "lr_schedule": entry.lr_schedule(entry.parse_args([*base, "--train-iters", "8"]))}
-    assert entry.choose_schedule(entry.parse_args([*base, "--train-iters", "20"]), saved)[1] is None
+    saved = {"iteration": 8, "lr_schedule": schedule.lr_schedule(entry.parse_args([*base, "--train-iters", "8"]))}
+    assert schedule.choose_schedule(entry.parse_args([*base, "--train-iters", "20"]), saved)[1] is None

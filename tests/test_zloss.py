@@ -64,8 +64,10 @@ PHASES = "[{start: 0.0, mixture: {1: 0.75, 2: 0.22, 3: 0.03}}, {start: 0.75, pas
 @pytest.mark.slow
 def test_resumed_run_logs_z_loss_from_the_cooldown_and_the_pass_phases(tiny_run, tmp_path):
     """Steps 5–8 resumed from the shared tiny run (4 steps) into the cooldown (from
-    ``train.cooldown_start``) and into a second pass phase (k = 2, from step 7)."""
-    from fbt_megatron.train import cooldown_start, lr_schedule, parse_args, pass_schedule
+    ``optimizers.schedule.cooldown_start``) and into a second pass phase (k = 2, from step 7)."""
+    from fbt_megatron.optimizers.schedule import cooldown_start, lr_schedule
+    from fbt_megatron.passes import pass_schedule
+    from fbt_megatron.train import parse_args
 
     flags = ["--recipe", "recipes/tiny_cpu.yaml", "--train-iters", 8, "--lr-wsd-decay-fraction", 0.5, "--z-loss-coeff", 1e-2,
              "--pass-phases", PHASES, "--log-interval", 1, "--eval-iters", 0, "--threads", 1, "--tensorboard", "false",

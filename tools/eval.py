@@ -151,6 +151,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", default=None, help="where run folders are exported (default <output folder>/exports)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf",
+                        help="hf: transformers (lm-eval's fbt model); vllm: a vLLM engine (fbt-vllm; pip install -r "
+                             "requirements-serve.txt, docs/serving.md)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default on CPU: 1, fastest for the tiny models' many small decoding steps)")
     args = parser.parse_args(argv)
@@ -196,12 +199,13 @@ def main(argv=None) -> int:
             if model is not m:
                 continue
             bar.set_description_str(f"{m.label} {mode}")
-            evaluator = evaluator or ExportEvaluator(m.export, batch_size=args.batch_size, device=args.device)
+            evaluator = evaluator or ExportEvaluator(m.export, batch_size=args.batch_size, device=args.device,
+                                                          backend=args.backend)
             start = time.perf_counter()
             results = evaluator.evaluate(mode, tasks, limit=args.limit)
             row = {"model": m.label, "mode": mode, **table_row(results)}
             rows.append(row)
-            details.append({**row, "source": m.source, "export": m.export, "iteration": m.run_iteration,
+            details.append({**row, "source": m.source, "export": m.export, "iteration": m.run_iteration, "backend": args.backend,
                             "seconds": round(time.perf_counter() - start, 2), "results": results})
             bar.update(1)
         del evaluator

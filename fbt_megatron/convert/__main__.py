@@ -5,9 +5,9 @@
     python -m fbt_megatron.convert from-hf --input DIR --save RUN
         [--tensor-model-parallel-size N --pipeline-model-parallel-size M] [--seed S] [--seq-length T]
 
-Bad input (a missing or damaged checkpoint, an output folder that exists, a folder that is not a
-Hugging Face model, a checkpoint that cannot map) is one ``error:`` line and exit code 2, with
-nothing written.
+Bad input (a missing or damaged checkpoint, an output folder that is not empty, a folder that is
+not a Hugging Face model, a checkpoint that cannot map) is one ``error:`` line and exit code 2,
+with nothing written.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
                         description="Export a run folder's checkpoint (any TP/PP layout) to a new Hugging Face model "
                                     "folder loadable with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).")
     to.add_argument("--load", required=True, metavar="RUN", help="the run folder (its latest checkpoint unless --ckpt-step)")
-    to.add_argument("--output", required=True, metavar="DIR", help="the export folder to create (must not exist)")
+    to.add_argument("--output", required=True, metavar="DIR", help="the export folder to create (missing or empty)")
     to.add_argument("--ckpt-step", type=int, metavar="N", help="export iteration N's checkpoint instead of the latest")
     to.add_argument("--tokenizer-model", metavar="FILE", help="the tokenizer file, when the run's corpus is not where it was trained")
     to.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                                      "embeddings, no biases) as an FBT model with fresh fusion weights, into a new run "
                                      "folder holding a weights-only checkpoint at iteration 0.")
     frm.add_argument("--input", required=True, metavar="DIR", help="the Hugging Face model folder (config.json + safetensors)")
-    frm.add_argument("--save", required=True, metavar="RUN", help="the run folder to create (must not exist)")
+    frm.add_argument("--save", required=True, metavar="RUN", help="the run folder to create (missing or empty)")
     frm.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
                      help="check that the model splits into N tensor-parallel ranks (the checkpoint is resharded on load)")
     frm.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="M",
@@ -72,10 +72,6 @@ def main(argv=None) -> int:
             raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
         import_checkpoint(args.input, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           seed=args.seed, seq_length=args.seq_length)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 

@@ -19,14 +19,14 @@ size, the tokenizer file copied into the folder (``tokenizer.model`` / ``tokeniz
 the recipe's ``data.tokenizer_model``), ``recipe.yaml`` (the same recipe, to train from:
 ``--recipe RUN/recipe.yaml --load RUN``) and ``import.json`` (where it came from). The checkpoint
 is written by one process, unsharded; dist_checkpointing reshards it for any TP/PP layout that
-loads it. The whole folder is built as ``RUN.tmp-<pid>`` and renamed into place.
+loads it. The folder is written whole (``folders.atomic_folder``); RUN may be missing (its parents
+are created) or an empty folder; anything else there is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -36,6 +36,7 @@ import torch
 from fbt_megatron.convert import mapping
 from fbt_megatron.convert.mapping import ConversionError
 from fbt_megatron.convert.to_hf import read_safetensors
+from fbt_megatron.folders import atomic_folder, check_new_folder
 
 LLAMA_LIKE = ("llama", "mistral", "qwen3")
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
@@ -181,28 +182,20 @@ def check_layout(h: dict, tp: int, pp: int) -> None:
         raise ConversionError(f"num_hidden_layers {h['num_hidden_layers']} is not divisible by --pipeline-model-parallel-size {pp}")
 
 
-def check_save(save) -> Path:
-    out = Path(save)
-    if out.exists():
-        raise ConversionError(f"{out} exists: choose another --save or remove it")
-    if not out.absolute().parent.is_dir():
-        raise ConversionError(f"{out}: the folder it would be created in, {out.absolute().parent}, does not exist")
-    return out
-
-
 # ---------------------------------------------------------------- the import
 def import_checkpoint(input: str, save: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                       seed: int = 1234, seq_length: Optional[int] = None, say: Callable[[str], None] = print) -> Path:
     """Convert HF folder ``input`` to the new run folder ``save``; returns it. Raises ValueError
     (one line) for what cannot be imported, before anything is written."""
     from fbt_megatron import checkpointing, platform
+    from fbt_megatron.checkpointing import TrainState
+    from fbt_megatron.config import recipe_config
     from fbt_megatron.recipe import recipe_from_dict
-    from fbt_megatron.runs import build_inference_model, model_config
-    from fbt_megatron.train import TrainState
+    from fbt_megatron.runs import build_inference_model
 
     folder = Path(input)
     raw = read_config(folder)
-    out = check_save(save)
+    out = check_new_folder(save, "--save")
     model_type = raw["model_type"]
     if model_type == "fbt":
         h = mapping.complete_fbt_config(raw)
@@ -233,7 +226,7 @@ def import_checkpoint(input: str, save: str, tensor_model_parallel_size: int = 1
     recipe = recipe_from_dict(import_recipe(h, final_tokenizer, seed, length))
 
     platform.init_distributed(1, 1, seed)  # seeds: a Llama import's fresh fusion weights are drawn from it
-    config = model_config(recipe, shape.vocab_size)
+    config = recipe_config(recipe, shape.vocab_size)
     model = build_inference_model(config)
     params = dict(model.named_parameters())
     if not fbt and params.keys() - weights.keys() - {n for n in params if n.startswith("feedback_fusion.")}:
@@ -248,9 +241,7 @@ def import_checkpoint(input: str, save: str, tensor_model_parallel_size: int = 1
 
     state = TrainState(model=recipe.to_dict()["model"], recipe=recipe.to_dict(), vocab_size=shape.vocab_size)
     state.lr_schedule = None  # no optimizer yet: a run that loads it follows its own schedule
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_folder(out) as tmp:
         checkpointing.save(tmp, 0, model, None, None, dataclasses.asdict(state))
         if tokenizer:
             shutil.copyfile(tokenizer, tmp / tokenizer.name)
@@ -265,12 +256,6 @@ def import_checkpoint(input: str, save: str, tensor_model_parallel_size: int = 1
             "checkpoint_layout": "one process (TP 1, PP 1): dist_checkpointing reshards it for any layout that loads it",
         }
         (tmp / "import.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        if out.exists():
-            raise ConversionError(f"{out} exists: choose another --save or remove it")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     kind = "FBT export" if fbt else f"{model_type} checkpoint (fresh fusion weights, seed {seed})"
     say(f"imported {folder} ({kind}, {sum(p.numel() for p in params.values()):,} parameters) into {out}/iter_0000000")
     if not tokenizer:

@@ -31,9 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-
-class ConversionError(ValueError):
-    """A checkpoint or folder that cannot be converted; the message says why in one line."""
+from fbt_megatron.errors import ConversionError
 
 
 # ---------------------------------------------------------------- the shape of a model

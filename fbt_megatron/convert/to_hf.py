@@ -2,8 +2,8 @@
 
 The run is loaded as one CPU process in fp32 (``runs.load_run``: any TP/PP layout it was saved in,
 resharded by dist_checkpointing), its weights renamed and split per ``mapping``, and the folder is
-built next to the output as ``DIR.tmp-<pid>`` and renamed into place once complete: an
-interrupted export leaves no half-written DIR.
+written whole (``folders.atomic_folder``): an interrupted export leaves no half-written DIR. DIR
+may be missing (its parents are created) or an empty folder; anything else there is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from fbt_megatron.convert import mapping
 from fbt_megatron.convert.mapping import ConversionError
+from fbt_megatron.folders import atomic_folder, check_new_folder, current_umask
 
 HERE = Path(__file__).parent
 HF_CODE = HERE / "hf"
@@ -45,16 +46,6 @@ def parse_size(text) -> int:
     if size < 1:
         raise ConversionError(f"--max-shard-size {text!r} must be positive")
     return size
-
-
-def check_output(output) -> Path:
-    """The output folder, refused when it exists (nothing is ever overwritten)."""
-    out = Path(output)
-    if out.exists():
-        raise ConversionError(f"{out} exists: choose another --output or remove it")
-    if not out.absolute().parent.is_dir():
-        raise ConversionError(f"{out}: the folder it would be created in, {out.absolute().parent}, does not exist")
-    return out
 
 
 def hf_code_files(with_tokenizer: bool) -> List[Path]:
@@ -268,8 +259,7 @@ def readme(run, config: dict, tokenizer_note: Optional[str], files: List[str]) -
 # ---------------------------------------------------------------- the export
 def readable(folder: Path) -> None:
     """Files as the umask allows (safetensors writes its files owner-only)."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     for f in folder.iterdir():
         if f.is_file():
             os.chmod(f, 0o666 & ~umask)
@@ -281,7 +271,7 @@ def export(load: str, output: str, ckpt_step: Optional[int] = None, tokenizer_mo
     ``output``; returns it. Raises ValueError (one line) for what cannot be exported."""
     from fbt_megatron.runs import load_run
 
-    out = check_output(output)
+    out = check_new_folder(output, "--output")
     shard_bytes = parse_size(max_shard_size)
     hf_code_files(with_tokenizer=False)  # before the (long) load: the model code must be there
     run = load_run(load, iteration=ckpt_step, tokenizer_model=tokenizer_model)
@@ -292,10 +282,7 @@ def export(load: str, output: str, ckpt_step: Optional[int] = None, tokenizer_mo
     skipped = no_tokenizer_reason(run)
     bos, eos, pad = tokenizer_ids(run)
     config = mapping.hf_config(c, bos, eos, pad, with_tokenizer=skipped is None)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_folder(out) as tmp:
         files = write_safetensors(tensors, tmp, shard_bytes, progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(bos, eos, pad), indent=2) + "\n")
@@ -306,12 +293,6 @@ def export(load: str, output: str, ckpt_step: Optional[int] = None, tokenizer_mo
         note = None if skipped is None else f"no tokenizer exported: {skipped}"
         (tmp / "README.md").write_text(readme(run, config, note, files))
         readable(tmp)
-        if out.exists():  # appeared while we worked
-            raise ConversionError(f"{out} exists: choose another --output or remove it")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if skipped:
         say(f"note: no tokenizer exported: {skipped}")
     params = sum(t.numel() for t in tensors.values())

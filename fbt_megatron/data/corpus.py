@@ -9,8 +9,8 @@ The source is ``"stdlib"`` (this Python's standard library ``.py`` files without
 site-packages: code, available everywhere) or a folder of text files or a JSONL file. The split
 is by document and deterministic: a document goes to valid when the SHA-256 of its name (its
 relative path, or "file.jsonl:LINE") falls below `valid_fraction`; each split gets at least one.
-The folder is built in a temporary folder beside it and renamed at the end; an existing folder
-is never modified.
+The folder is written whole (``folders.atomic_folder``); a folder that is there and not empty is never
+modified.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import platform
 import shutil
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -29,6 +28,7 @@ from fbt_megatron.data.documents import Document, iter_documents, list_files, pr
 from fbt_megatron.data.preprocess import preprocess
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.data.tokenizer_training import train_tokenizer
+from fbt_megatron.folders import atomic_folder
 
 STDLIB = "stdlib"
 STDLIB_SKIP = ("test", "tests", "idle_test", "site-packages", "dist-packages")
@@ -187,16 +187,8 @@ def prepare_corpus(
         if show_progress:
             print(f"{output}: corpus already prepared, nothing to do")
         return corpus
-    parent, name = os.path.split(output)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the corpus is an ordinary folder
-    try:
-        _build(tmp, settings, tokenizer, workers, show_progress)
-        os.rename(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_folder(output) as tmp:
+        _build(str(tmp), settings, tokenizer, workers, show_progress)
     return load_corpus(output)
 
 

@@ -30,7 +30,7 @@ def require_feedback(run, what: str) -> None:
 
 def state_tracking_task(run, what: str):
     """The prepared state-tracking task the run was trained on (ValueError for a language-model run)."""
-    from fbt_megatron.tasks import state_tracking
+    from fbt_megatron.data import state_tracking
 
     d = run.recipe.data
     if not (state_tracking.task_name(d.corpus) or state_tracking.is_task_folder(d.data_path)):
@@ -68,7 +68,8 @@ def validation(run, eval_iters: Optional[int] = None, sequences: Optional[int] =
     global batches training's ``evaluate`` reads, averaged as it averages them, so the losses
     reproduce the ones the run logged. ``sequences``: the first ``sequences`` of them instead
     (rounded up to whole microbatches), averaged over microbatches."""
-    from fbt_megatron.train import build_data, microbatches
+    from fbt_megatron.data.build import build_data
+    from fbt_megatron.step import microbatches
 
     positive(eval_iters, "--eval-iters")
     positive(sequences, "--sequences")
@@ -112,7 +113,7 @@ def passes(model, microbatch: dict, num_passes: int) -> Iterator[Tuple[int, torc
 
 
 def training_mean(per_batch: Sequence[Sequence[torch.Tensor]]) -> List[float]:
-    """Training's average (``train.evaluate``): per group the mean over its microbatches of their
+    """Training's average (``step.evaluate``): per group the mean over its microbatches of their
     [k] values, then the mean over groups, in the same float32 operations."""
     means = [torch.stack(list(batch)).float().mean(0).tolist() for batch in per_batch]
     return torch.tensor(means).mean(0).tolist()

@@ -54,7 +54,7 @@ def decoded_accuracy(model, tokens: torch.Tensor, labels: torch.Tensor, prompt_l
 def generation(run, fused_passes: Sequence[int] = (1, 2, 3), lengths: Sequence[int] = (1, 2, 4),
                prompt_length: Optional[int] = None, sequences: int = 64, use_cache: bool = True) -> dict:
     from fbt_megatron.tasks.evaluate import bucket_accuracy
-    from fbt_megatron.tasks.state_tracking import SPLIT_SEEDS
+    from fbt_megatron.data.state_tracking import SPLIT_SEEDS
 
     task = common.state_tracking_task(run, "generation")
     latent = run.model.config.latent_feedback

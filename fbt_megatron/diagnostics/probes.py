@@ -86,7 +86,7 @@ def probes(run, fused_passes: Optional[Sequence[int]] = None, train_sequences: i
            length: Optional[int] = None, l2: float = 1e-4, max_iter: int = 200) -> dict:
     """Test accuracy of a probe per layer and mode: "standard" (pass 1) and "n fused" (pass n + 1)
     for each n in ``fused_passes`` (default: 1 … the run's ``--fused-prefill-passes``, none for a baseline)."""
-    from fbt_megatron.tasks.state_tracking import SPLIT_SEEDS
+    from fbt_megatron.data.state_tracking import SPLIT_SEEDS
 
     task = common.state_tracking_task(run, "probes")
     latent = run.model.config.latent_feedback

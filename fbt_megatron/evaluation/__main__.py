@@ -7,7 +7,8 @@ r"""Evaluation entry points.
         python -m fbt_megatron.evaluation lm-eval run --model fbt \
             --model_args pretrained=EXPORT,decode_mode=fused,fused_prefill_passes=2 --tasks fbt_stdlib_perplexity
         The local tasks (fbt_stdlib_*) are built on first use into data/lm-eval-tasks and added to
-        --include_path when none is given.
+        --include_path when none is given. ``--backend vllm`` scores with a vLLM engine instead of
+        transformers (``--model fbt`` becomes ``fbt-vllm``; docs/serving.md).
 """
 
 from __future__ import annotations
@@ -41,12 +42,40 @@ def _option(args: List[str], name: str) -> Optional[str]:
     return None
 
 
+def _backend(args: List[str]) -> tuple:
+    """(lm-eval's arguments, backend): ``--backend hf|vllm`` taken out; with vllm, ``--model fbt``
+    (or none) becomes ``--model fbt-vllm``."""
+    backend = _option(args, "--backend") or "hf"
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"--backend {backend!r}: choose hf or vllm")
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+        elif a == "--backend":
+            skip = True
+        elif not a.startswith("--backend="):
+            out.append(a)
+    if backend == "vllm":
+        model = _option(out, "--model")
+        if model is None:
+            out += ["--model", "fbt-vllm"]
+        elif model == "fbt":
+            out = [("fbt-vllm" if a == "fbt" and i and out[i - 1] == "--model" else
+                    "--model=fbt-vllm" if a == "--model=fbt" else a) for i, a in enumerate(out)]
+    return out, backend
+
+
 def lm_eval_main(args: List[str]) -> int:
     """lm-eval's CLI on ``args`` with the ``fbt`` model registered and the environment offline."""
     from fbt_megatron.evaluation.env import offline_environment
 
     offline_environment()
-    import fbt_megatron.evaluation.lm  # noqa: F401  (registers --model fbt)
+    args, backend = _backend(args)
+    if backend == "vllm":
+        import fbt_megatron.evaluation.vllm_lm  # noqa: F401  (registers --model fbt-vllm)
+    else:
+        import fbt_megatron.evaluation.lm  # noqa: F401  (registers --model fbt)
 
     tasks = _option(args, "--tasks") or ""
     if _option(args, "--include_path") is None and any(t in tasks.split(",") for t in TASKS):

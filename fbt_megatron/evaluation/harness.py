@@ -49,17 +49,30 @@ def quiet_lm_eval() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-class ExportEvaluator:
-    """One export loaded once (lm-eval's ``fbt`` model), evaluated in any decode mode."""
+BACKENDS = ("hf", "vllm")
 
-    def __init__(self, export: str, batch_size: int = 8, device: Optional[str] = None, lm=None):
+
+def export_lm(export: str, backend: str = "hf", batch_size: int = 8, device: Optional[str] = None):
+    """lm-eval's model of an export: ``fbt`` (transformers) or ``fbt-vllm`` (vLLM, docs/serving.md)."""
+    if backend == "vllm":
+        from fbt_megatron.evaluation.vllm_lm import FBTVLLM
+
+        return FBTVLLM(pretrained=str(export), batch_size=batch_size)
+    if backend != "hf":
+        raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    from fbt_megatron.evaluation.lm import FBTLM
+
+    return FBTLM(pretrained=str(export), batch_size=batch_size, **({"device": device} if device else {}))
+
+
+class ExportEvaluator:
+    """One export loaded once (lm-eval's ``fbt`` or ``fbt-vllm`` model), evaluated in any decode mode."""
+
+    def __init__(self, export: str, batch_size: int = 8, device: Optional[str] = None, lm=None, backend: str = "hf"):
         offline_environment()
         quiet_lm_eval()
-        from fbt_megatron.evaluation.lm import FBTLM
-
         self.config = read_export_config(export)
-        kwargs = {"batch_size": batch_size, **({"device": device} if device else {})}
-        self.lm = lm if lm is not None else FBTLM(pretrained=str(export), **kwargs)
+        self.lm = lm if lm is not None else export_lm(export, backend, batch_size, device)
 
     @property
     def latent_feedback(self) -> bool:

@@ -1,2 +1,3 @@
-"""One small module per parallelism: ``sequence`` (SP/CP positions and the shifted carried
-state), ``pipeline`` (the pass-aware pipeline), ``data`` (DDP for multi-pass steps)."""
+"""One small module per parallelism: ``pipeline`` (the pass-aware pipeline), ``data`` (DDP for
+multi-pass steps); the sequence's layout under SP/CP, which the fusion itself uses, is
+``fbt_megatron.sequence``."""

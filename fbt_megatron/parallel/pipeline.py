@@ -13,8 +13,10 @@ loss's gradient); pass k's loss goes through the schedule's loss function. Micro
 pipelined across stages and passes; k may change every step (the chunk count is set per call).
 For k = 1 this is megatron-core's plain 1F1B schedule.
 
-With ``recompute_passes`` a chunk is not checkpointed when the schedule runs its backward right
-after its forward (``backward_next``): in 1F1B that is pass k on the last stage.
+A stage runs pass j as ``stage_pass``: the first stage embeds and fuses (``fbt.run_pass``), a later
+one continues from the previous stage's hidden states. With ``recompute_passes`` a chunk is not
+checkpointed when the schedule runs its backward right after its forward (``backward_next``): in
+1F1B that is pass k on the last stage.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 
 from fbt_megatron.fbt import default_feedback, masked_mean, multi_pass_loss, pass_weights, run_pass, state_delta_square
+from fbt_megatron.offload import recomputed_pass
 
 
 def stage() -> dict:
@@ -74,6 +77,21 @@ def _microbatch_report(config, losses: List[torch.Tensor], deltas: List[torch.Te
     if deltas:
         report["state_delta_squares"] = torch.stack(deltas).float()
     return report
+
+
+def stage_pass(module, batch: dict, labels, pass_index: int, feedback_fn, backward_next: bool):
+    """Pass j of one microbatch on this stage → (output, top state): the first stage embeds and
+    fuses the previous pass's top states that it received (``fbt.run_pass``); a later stage
+    continues from the previous stage's hidden states (its output; top state None before the last)."""
+    packed = batch.get("packed")  # packed conversations (SFT): every stage masks their attention
+    if module.pre_process:
+        return run_pass(module, batch["tokens"], labels, pass_index, module.received, feedback_fn, backward_next, packed)
+    attention_mask = None if packed is None else packed.attention_mask
+
+    def forward(_, labels, hidden_states):
+        return module(batch["tokens"], labels=labels, hidden_states=hidden_states, attention_mask=attention_mask)
+
+    return recomputed_pass(module.config, forward, None, labels, module.received, backward_next)
 
 
 def _whole_model_step(num_passes: int, measure_deltas: bool, data_iterator, model):
@@ -149,10 +167,8 @@ class _PassChunkStep:
         j, m, batch = next(data_iterator)
         module = _unwrap(model)
         labels = batch["labels"] if module.post_process else None
-        packed = batch.get("packed")  # packed conversations (SFT): every stage masks their attention
-        feedback_fn = default_feedback(module, batch["tokens"], batch["seeds"], packed)
-        out, top = run_pass(module, batch["tokens"], labels, j, module.received, feedback_fn,
-                            backward_next=(j, m) in self.backward_next, packed=packed)
+        feedback_fn = default_feedback(module, batch["tokens"], batch["seeds"], batch.get("packed"))
+        out, top = stage_pass(module, batch, labels, j, feedback_fn, backward_next=(j, m) in self.backward_next)
         if not module.post_process:
             return out, None  # hidden states, sent to the next stage
         if m not in self.loss_tokens:

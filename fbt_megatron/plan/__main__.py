@@ -1,5 +1,6 @@
 """``python -m fbt_megatron.plan --recipe R --nodes N --gpus-per-node G [--gpu h100|h200|a100 |
---gpu-memory-gb M] [--mfu 0.4] [any training flag]``: the plan of a run (``fbt_megatron.plan``)."""
+--gpu-memory-gb M] [--mfu 0.4] [--fit-global-batch] [any training flag]``: the plan of a run
+(``fbt_megatron.plan``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 from fbt_megatron import flags
 from fbt_megatron.cli import quiet_library_warnings, run_cli
 from fbt_megatron.plan.gpus import GPUS
-from fbt_megatron.plan.planner import format_plan, make_plan
+from fbt_megatron.plan.planner import batch_fit, format_plan, make_plan
 from fbt_megatron.recipe import RecipeError
 
 PROG = "python -m fbt_megatron.plan"
@@ -22,21 +23,29 @@ def parse(argv=None):
     parser.add_argument("--gpu", choices=sorted(GPUS))
     parser.add_argument("--gpu-memory-gb", type=float)
     parser.add_argument("--mfu", type=float, default=0.4)
+    parser.add_argument("--fit-global-batch", action="store_true")
     args, rest = parser.parse_known_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise RecipeError("--nodes and --gpus-per-node must be >= 1")
     if args.gpu and args.gpu_memory_gb:
         raise RecipeError("--gpu and --gpu-memory-gb are exclusive: pick one")
     description = ("Plan a run: parameters, steps, layout, memory per GPU, FLOPs and wall time. Planner options: "
-                   "--nodes N --gpus-per-node G [--gpu " + "|".join(sorted(GPUS)) + " | --gpu-memory-gb M] [--mfu 0.4]; "
-                   "the training flags below override the recipe.")
+                   "--nodes N --gpus-per-node G [--gpu " + "|".join(sorted(GPUS)) + " | --gpu-memory-gb M] [--mfu 0.4] "
+                   "[--fit-global-batch: a global batch that does not divide over the data-parallel ranks becomes the "
+                   "nearest that does, with the --train-iters that keep its tokens]; the training flags below override the recipe.")
     return args, flags.parse(rest, prog=PROG, description=description)
 
 
 def main(argv=None) -> int:
     quiet_library_warnings()
     args, recipe = parse(argv)
-    plan = make_plan(recipe, args.nodes * args.gpus_per_node, GPUS.get(args.gpu), args.gpu_memory_gb, args.mfu)
+    world_size = args.nodes * args.gpus_per_node
+    fit = batch_fit(recipe, world_size)
+    if fit is not None and not args.fit_global_batch:
+        raise RecipeError(fit.problem())
+    if fit is not None:
+        print(fit.apply())
+    plan = make_plan(recipe, world_size, GPUS.get(args.gpu), args.gpu_memory_gb, args.mfu)
     print(format_plan(plan))
     return 0
 

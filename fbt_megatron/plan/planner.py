@@ -10,9 +10,8 @@ final norm and (tied, PP > 1) a copy of the embedding for the logits.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -75,25 +74,22 @@ def _single_process_group():
 
 
 def model_config(recipe: Recipe, vocab_size: int):
-    """The FBTConfig the run builds (``train.build_model``'s fields), for TP = PP = 1 on the meta device."""
-    from fbt_megatron.config import make_config
+    """The FBTConfig the run builds (``config.recipe_config``), for TP = PP = 1 on the meta device."""
+    from fbt_megatron.config import recipe_config
 
     o = recipe.optimizer
-    return make_config(recipe.model.preset, **{
-        **recipe.model_overrides, "vocab_size": vocab_size, "seq_length": recipe.data.seq_length,
-        "bf16": o.bf16, "fp16": o.fp16, "use_cpu_initialization": True, "perform_initialization": False,
-    })
+    return recipe_config(recipe, vocab_size, bf16=o.bf16, fp16=o.fp16, use_cpu_initialization=True, perform_initialization=False)
 
 
 def vocab_size(recipe: Recipe) -> int:
     """The embedding's rows: the corpus tokenizer's size (``data.vocab_size``) when the recipe prepares
     its corpus, else the preset's (the user's tokenizer decides at run time), padded as the run pads."""
     from fbt_megatron.config import PRESETS
+    from fbt_megatron.data.tokenizer import padded_vocab_size
 
     d = recipe.data
     raw = d.vocab_size if d.train_data_path is None else PRESETS[recipe.model.preset]["vocab_size"]
-    multiple = d.make_vocab_size_divisible_by * recipe.parallel.tensor_model_parallel_size
-    return math.ceil(raw / multiple) * multiple
+    return padded_vocab_size(raw, recipe.parallel.tensor_model_parallel_size, d.make_vocab_size_divisible_by)
 
 
 def stages(model, recipe: Recipe) -> List[memory.Stage]:
@@ -152,10 +148,13 @@ def make_plan(recipe: Recipe, world_size: int, gpu: Optional[GPU] = None, gpu_me
     RecipeError when the layout does not fit the world or the memory. ``transformer_engine``: count
     the TE spec's activations (flash attention; default: on a GPU plan) or the local spec's (CPU)."""
     from fbt_megatron.model import FBTModel
-    from fbt_megatron.train import pass_schedule
+    from fbt_megatron.passes import pass_schedule
 
     if not 0 < mfu <= 1:
         raise RecipeError(f"--mfu must be in (0, 1], got {mfu}")
+    fit = batch_fit(recipe, world_size)
+    if fit is not None:
+        raise RecipeError(fit.problem(fit_flag=False))  # (train --dry-run has no --fit-global-batch)
     recipe.validate(world_size, this_machine=False)  # a plan for GPUs: CP's Transformer Engine is theirs
     t, p, o = recipe.training, recipe.parallel, recipe.optimizer
     config = model_config(recipe, vocab_size(recipe))
@@ -199,6 +198,73 @@ def make_plan(recipe: Recipe, world_size: int, gpu: Optional[GPU] = None, gpu_me
     )
     check_fits(plan)
     return plan
+
+
+# ---------------------------------------------------------------- fitting the global batch to a world
+@dataclass
+class BatchFit:
+    """A global batch that does not split evenly over a world's data-parallel ranks, and the
+    nearest ones that do (``options``: the one below, if any, and the one above), each with the
+    train_iters that keeps the recipe's token budget (rounded up: never fewer tokens)."""
+
+    recipe: Recipe
+    world_size: int
+    dp: int
+    options: List[Tuple[int, int]]  # (global batch, train_iters)
+
+    @property
+    def nearest(self) -> Tuple[int, int]:
+        """The option closest to the recipe's global batch (the smaller one on a tie)."""
+        gbs = self.recipe.training.global_batch_size
+        return min(self.options, key=lambda option: (abs(option[0] - gbs), option[0]))
+
+    @staticmethod
+    def flags(option: Tuple[int, int]) -> str:
+        return f"--global-batch-size {option[0]} --train-iters {option[1]}"
+
+    def problem(self, fit_flag: bool = True) -> str:
+        """The refusal: what does not divide, the nearest batches that do with their --train-iters
+        (``fit_flag``: and that --fit-global-batch, a flag of the planner and of Slurm's submit, applies one)."""
+        t, pp = self.recipe.training, self.recipe.parallel.pipeline_model_parallel_size
+        if t.global_batch_size % (t.micro_batch_size * self.dp):
+            what = (f"training.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size "
+                    f"{t.micro_batch_size} x data-parallel size {self.dp}")
+        else:
+            micro = t.global_batch_size // (t.micro_batch_size * self.dp)
+            what = (f"training.global_batch_size {t.global_batch_size} gives {micro} microbatch{'es' if micro > 1 else ''} "
+                    f"per step (micro batch {t.micro_batch_size} x DP {self.dp}), not a multiple of "
+                    f"pipeline_model_parallel_size {pp}")
+        options = " or ".join(self.flags(o) for o in self.options)
+        return (f"{what} on {self.world_size} GPUs; the nearest that fit, with the --train-iters that keep the run's "
+                f"{_count(t.train_iters * t.global_batch_size * self.recipe.data.seq_length)} tokens: {options}"
+                + (" (--fit-global-batch applies the nearest)" if fit_flag else ""))
+
+    def apply(self) -> str:
+        """Set the recipe's global batch and train_iters to the nearest option; the note saying so."""
+        t = self.recipe.training
+        before = (t.global_batch_size, t.train_iters)
+        t.global_batch_size, t.train_iters = self.nearest
+        return (f"--fit-global-batch: global batch {before[0]} → {t.global_batch_size} sequences (DP {self.dp} on "
+                f"{self.world_size} GPUs), --train-iters {before[1]} → {t.train_iters} (the same "
+                f"{_count(before[0] * before[1] * self.recipe.data.seq_length)} tokens, rounded up)")
+
+
+def batch_fit(recipe: Recipe, world_size: int) -> Optional[BatchFit]:
+    """The BatchFit of a recipe whose global batch does not divide over ``world_size`` ranks; None
+    when it does, or when the layout itself is invalid (``Recipe.validate`` says what)."""
+    t, p = recipe.training, recipe.parallel
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    sizes = (t.micro_batch_size, t.global_batch_size, t.train_iters, model_parallel, p.pipeline_model_parallel_size)
+    if min(sizes) < 1 or world_size % model_parallel:
+        return None
+    dp = world_size // model_parallel
+    unit = t.micro_batch_size * dp * p.pipeline_model_parallel_size  # whole microbatches, whole pipeline rounds
+    if t.global_batch_size % unit == 0:
+        return None
+    below, above = t.global_batch_size // unit * unit, (t.global_batch_size // unit + 1) * unit
+    tokens = t.train_iters * t.global_batch_size  # in sequences; the sequence length is the same
+    options = [(g, -(-tokens // g)) for g in (below, above) if g > 0]
+    return BatchFit(recipe=recipe, world_size=world_size, dp=dp, options=options)
 
 
 def check_fits(plan: Plan) -> None:

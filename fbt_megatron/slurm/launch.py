@@ -8,7 +8,8 @@ traceback, exit code 128 + the signal.
 
 ``tasks``: one Slurm task per GPU, no torchrun (``python -m fbt_megatron.slurm task ARGS``: the
 training's command line). megatron-core 0.16 and torch.distributed read only torch's names, so
-each task exports RANK, WORLD_SIZE and LOCAL_RANK from Slurm's before training starts;
+each task exports RANK, WORLD_SIZE and LOCAL_RANK from Slurm's, then becomes the training process
+(``python -m fbt_megatron.train ARGS``, exec'd: the same process, which Slurm signals);
 MASTER_ADDR and MASTER_PORT come from the job script (the job's first node, a port derived from
 the job id).
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List
+from typing import List, NoReturn
 
 TORCH_FROM_SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
 
@@ -30,11 +31,11 @@ def torch_environment(env) -> dict:
     return {torch_name: env[slurm_name] for torch_name, slurm_name in TORCH_FROM_SLURM.items()}
 
 
-def task(train_args: List[str]) -> int:
+def task(train_args: List[str]) -> NoReturn:
     os.environ.update(torch_environment(os.environ))
-    from fbt_megatron import train
-
-    return train.main(train_args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "fbt_megatron.train", *train_args])
 
 
 def torchrun(torchrun_args: List[str]) -> int:

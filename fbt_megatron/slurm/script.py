@@ -9,11 +9,12 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
-from fbt_megatron.recipe import RecipeError
+from fbt_megatron.recipe import Recipe, RecipeError
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
+REPOSITORY = Path(__file__).resolve().parents[2]  # the checkout whose code the jobs run (on PYTHONPATH)
+TEMPLATES = REPOSITORY / "slurm"
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 LAUNCHES = ("torchrun", "tasks")
 
@@ -30,9 +31,13 @@ def parse_time(text: str) -> int:
     return total
 
 
+CPUS_PER_GPU = 8  # CPUs per GPU of a one-task job (export + evaluation, serving) without --cpus-per-task
+
+
 @dataclass
 class Resources:
-    """Where and how long a job runs: the #SBATCH options every job of a submission shares."""
+    """Where and how long a job runs: the #SBATCH options, container and environment every job of
+    a submission shares."""
 
     nodes: int
     gpus_per_node: int  # 0: CPU, one process per node and no GRES
@@ -41,24 +46,48 @@ class Resources:
     account: Optional[str] = None
     container_image: Optional[str] = None
     log_dir: Path = Path("logs")
+    container_mounts: List[str] = field(default_factory=list)  # SRC:DST[:FLAGS] beyond the work folder
+    sbatch_lines: List[str] = field(default_factory=list)  # extra #SBATCH options, written after ours
+    environment: Dict[str, str] = field(default_factory=dict)  # exported in the job after the defaults
+    cpus_per_task: Optional[int] = None  # None: training jobs take whole nodes (--exclusive)
+    exclusive: bool = True
 
-    def options(self, gpus: Optional[int] = None) -> str:
-        """#SBATCH lines for the partition, the account and the GPUs (``gpus``: another count per node)."""
+    def options(self, gpus: Optional[int] = None, cpus_per_task: Optional[int] = None, exclusive: Optional[bool] = None) -> str:
+        """#SBATCH lines: partition, account, GPUs per node, CPUs (whole nodes and/or CPUs per task),
+        then the extra lines given; the defaults are a training job's (``gpus``, ``cpus_per_task``,
+        ``exclusive``: another job's)."""
         gpus = self.gpus_per_node if gpus is None else gpus
+        cpus = self.cpus_per_task if cpus_per_task is None else cpus_per_task
+        exclusive = self.exclusive if exclusive is None else exclusive
         lines = [f"#SBATCH --{key}={value}" for key, value in
-                 (("partition", self.partition), ("account", self.account), ("gpus-per-node", gpus or None)) if value]
-        return "\n".join(lines)
+                 (("partition", self.partition), ("account", self.account), ("gpus-per-node", gpus or None),
+                  ("cpus-per-task", cpus)) if value]
+        lines += ["#SBATCH --exclusive"] if exclusive else []
+        return "\n".join(lines + [f"#SBATCH {line}" for line in self.sbatch_lines])
+
+    def one_task_options(self) -> str:
+        """#SBATCH lines of a one-task job on one node (export + evaluation, serving): its GPUs with
+        --cpus-per-task or CPUS_PER_GPU CPUs each, or the whole node on CPU (``--gpus-per-node 0``)."""
+        gpus = self.gpus_per_node
+        return self.options(cpus_per_task=self.cpus_per_task or CPUS_PER_GPU * gpus or None, exclusive=not gpus)
 
     def container(self, workdir: Path) -> str:
-        """srun's pyxis options when a container image is given (the work folder mounted at its own path)."""
+        """srun's pyxis options when a container image is given: the work folder and this checkout
+        mounted at their own paths, then the mounts given."""
         if not self.container_image:
             return ""
-        return shlex.join([f"--container-image={self.container_image}", f"--container-mounts={workdir}:{workdir}",
+        own = [workdir] + ([] if REPOSITORY.is_relative_to(workdir) else [REPOSITORY])
+        mounts = ",".join([*(f"{path}:{path}" for path in own), *self.container_mounts])
+        return shlex.join([f"--container-image={self.container_image}", f"--container-mounts={mounts}",
                            f"--container-workdir={workdir}"])
 
     def python(self, python: str) -> str:
         """The interpreter a job runs: this one, or the container's ``python``."""
         return "python" if self.container_image else shlex.quote(python)
+
+    def exports(self) -> str:
+        """The ``--env NAME=VALUE`` lines of the job script (after its defaults: they win)."""
+        return "\n".join(f"export {name}={shlex.quote(value)}" for name, value in self.environment.items())
 
 
 def render(template: str, **values) -> str:
@@ -85,6 +114,7 @@ class Stage:
     train_iters: int
     flags: List[str] = field(default_factory=list)
     pretrained: Optional[Path] = None
+    config: Optional[Recipe] = None  # the recipe with its flags applied (what the job's training runs)
 
     def train_args(self) -> List[str]:
         args = ["--recipe", self.recipe, *self.flags, "--save", str(self.save), "--load", str(self.save)]
@@ -98,19 +128,31 @@ def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: i
         time=res.time, log_dir=shlex.quote(str(res.log_dir)), signal_seconds=signal_seconds, sbatch_options=res.options(),
         workdir=shlex.quote(str(workdir)), launch=launch, procs_per_node=procs, save=shlex.quote(str(stage.save)),
         train_iters=stage.train_iters, train_args=quoted(stage.train_args()), container=res.container(workdir),
-        python=res.python(python),
+        python=res.python(python), environment=res.exports(), repository=shlex.quote(str(REPOSITORY)),
     )
 
 
-def export_eval_script(name: str, run: Path, runs_root: Path, eval_args: List[str], res: Resources, workdir: Path,
-                       python: str) -> str:
-    """The job after a chain: tools/eval.py exports ``run`` into <runs_root>/exports and writes
-    its table to <runs_root>/eval/<run name>.md."""
+def export_eval_script(name: str, models: List[Path], exports: Path, results: Path, eval_args: List[str], res: Resources,
+                       workdir: Path, python: str) -> str:
+    """A job of tools/eval.py: run folders among ``models`` are exported into ``exports`` first;
+    the table goes to ``results`` (after a chain: its last stage; ``evaluate``: the models given)."""
     return render(
         "export_eval.sbatch", name=name, time=res.time, log_dir=shlex.quote(str(res.log_dir)),
-        sbatch_options=res.options(gpus=min(res.gpus_per_node, 1)), workdir=shlex.quote(str(workdir)),
-        container=res.container(workdir), python=res.python(python),
-        eval_tool=shlex.quote(str(TEMPLATES.parent / "tools" / "eval.py")), run=shlex.quote(str(run)),
-        exports=shlex.quote(str(runs_root / "exports")), results=shlex.quote(str(runs_root / "eval" / f"{run.name}.md")),
-        eval_args=quoted(eval_args),
+        sbatch_options=res.one_task_options(), workdir=shlex.quote(str(workdir)),
+        container=res.container(workdir), python=res.python(python), environment=res.exports(),
+        repository=shlex.quote(str(REPOSITORY)), eval_tool=shlex.quote(str(REPOSITORY / "tools" / "eval.py")), models=quoted(models),
+        exports=shlex.quote(str(exports)), results=shlex.quote(str(results)), eval_args=quoted(eval_args),
+    )
+
+
+def serve_script(name: str, export: Path, port: int, serve_args: List[str], res: Resources, workdir: Path,
+                 python: str) -> str:
+    """A job of ``vllm serve EXPORT`` (this package's vLLM plugin) on one node until its time limit:
+    the ``vllm`` beside this Python, or the container's."""
+    vllm = "vllm" if res.container_image else shlex.quote(str(Path(python).with_name("vllm")))
+    return render(
+        "serve.sbatch", name=name, time=res.time, log_dir=shlex.quote(str(res.log_dir)),
+        sbatch_options=res.one_task_options(), workdir=shlex.quote(str(workdir)), container=res.container(workdir),
+        environment=res.exports(), repository=shlex.quote(str(REPOSITORY)), vllm=vllm, export=shlex.quote(str(export)),
+        port=port, serve_args=quoted(serve_args),
     )

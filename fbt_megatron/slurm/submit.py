@@ -1,6 +1,8 @@
 """Submitting: one training stage, or a chain of stages (each starting from the previous stage's
-weights, ``--dependency=afterok``) followed by an export + evaluation job. Every job script is
-rendered from slurm/ (``script``) and given to ``sbatch --parsable`` on its standard input."""
+weights, ``--dependency=afterok``) followed by an export + evaluation job; or one job that
+evaluates models or serves an export with vLLM. Every job script is rendered from slurm/
+(``script``) and given to ``sbatch --parsable`` on its standard input, once ``preflight`` found
+nothing that would make it fail after queueing."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from dataclasses import replace
+from typing import Dict, List, Optional, Tuple
 
 from fbt_megatron import flags
 from fbt_megatron.recipe import RecipeError
@@ -35,24 +38,30 @@ def stage(recipe_path: str, train_flags: List[str], runs_root: Path, name: Optio
     if pretrained is None and c.pretrained_checkpoint:
         pretrained = Path(c.pretrained_checkpoint).resolve()
     return Stage(name=name, recipe=str(path.resolve()), save=save, train_iters=recipe.training.train_iters,
-                 flags=list(train_flags), pretrained=pretrained)
+                 flags=list(train_flags), pretrained=pretrained, config=recipe)
 
 
 def _given(flag: str, train_flags: List[str]) -> bool:
     return any(f == flag or f.startswith(flag + "=") for f in train_flags)
 
 
-def chain(recipes: List[str], train_flags: List[str], runs_root: Path) -> List[Stage]:
-    """Stages run one after another, each from the previous one's final weights."""
-    given = [f for f in OWN_FOLDERS if _given(f, train_flags)]
-    if given:
-        raise RecipeError(f"--chain sets each stage's {', '.join(OWN_FOLDERS)}: drop {given[0]} (use --runs-root)")
+def chain(recipes: List[str], train_flags: List[str], runs_root: Path, stage_flags: Dict[str, List[str]]) -> List[Stage]:
+    """Stages run one after another, each from the previous one's final weights; ``stage_flags``:
+    training flags of one stage (by name), after (and winning over) those of every stage."""
     names = [Path(r).stem for r in recipes]
     if len(set(names)) != len(names):
         raise RecipeError(f"--chain {' '.join(recipes)}: the stages' recipe names must differ (they name the run folders)")
+    unknown = sorted(set(stage_flags) - set(names))
+    if unknown:
+        raise RecipeError(f"--stage-args {unknown[0]}: no such stage (the stages are {', '.join(names)})")
+    for where, flags_given in [("", train_flags), *((f"--stage-args {n}: ", f) for n, f in stage_flags.items())]:
+        given = [f for f in OWN_FOLDERS if _given(f, flags_given)]
+        if given:
+            raise RecipeError(f"{where}--chain sets each stage's {', '.join(OWN_FOLDERS)}: drop {given[0]} (use --runs-root)")
     stages: List[Stage] = []
-    for recipe in recipes:
-        stages.append(stage(recipe, train_flags, runs_root, pretrained=stages[-1].save if stages else None))
+    for recipe, name in zip(recipes, names):
+        stages.append(stage(recipe, [*train_flags, *stage_flags.get(name, [])], runs_root,
+                            pretrained=stages[-1].save if stages else None))
     return stages
 
 
@@ -67,14 +76,21 @@ def sbatch(script: str, dependency: Optional[int] = None) -> int:
 
 def submit(stages: List[Stage], res: Resources, launch: str, signal_seconds: int, eval_args: Optional[List[str]],
            runs_root: Path, dry_run: bool) -> List[int]:
-    """Render (and unless ``dry_run`` submit) each stage's job, each depending on the previous one,
-    then the export + evaluation job when ``eval_args`` is given. Prints one line per job (the
-    scripts, with --dry-run); returns the job ids."""
+    """Submit (``dry_run``: print) each stage's job, each depending on the previous one, then the
+    export + evaluation job when ``eval_args`` is given (on one GPU of one node); returns the job ids."""
     workdir, python = Path.cwd(), sys.executable
     jobs = [(s.name, training_script(s, res, launch, signal_seconds, workdir, python)) for s in stages]
     if eval_args is not None:
-        name = f"{stages[-1].name}-eval"
-        jobs.append((name, export_eval_script(name, stages[-1].save, runs_root, eval_args, res, workdir, python)))
+        name, run = f"{stages[-1].name}-eval", stages[-1].save
+        one_gpu = replace(res, nodes=1, gpus_per_node=min(res.gpus_per_node, 1), cpus_per_task=None)
+        jobs.append((name, export_eval_script(name, [run], runs_root / "exports", runs_root / "eval" / f"{run.name}.md",
+                                              eval_args, one_gpu, workdir, python)))
+    return submit_jobs(jobs, res.log_dir, dry_run)
+
+
+def submit_jobs(jobs: List[Tuple[str, str]], log_dir: Path, dry_run: bool) -> List[int]:
+    """Submit (name, script) jobs, each after the previous one (``dry_run``: print the scripts);
+    one line per job submitted; the job ids."""
     if dry_run:
         for i, (name, script) in enumerate(jobs):
             print(f"# ---- {name}: sbatch --parsable" + (f" --dependency=afterok:<job of {jobs[i - 1][0]}>" if i else ""))
@@ -82,7 +98,7 @@ def submit(stages: List[Stage], res: Resources, launch: str, signal_seconds: int
         return []
     if shutil.which("sbatch") is None:
         raise RecipeError("sbatch is not on PATH: submit from a Slurm login node (or see the script with --dry-run)")
-    res.log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
     ids: List[int] = []
     for name, script in jobs:
         try:
@@ -90,5 +106,5 @@ def submit(stages: List[Stage], res: Resources, launch: str, signal_seconds: int
         except RecipeError as e:
             raise RecipeError(f"{name}: {e}" + (f" (already submitted: jobs {', '.join(map(str, ids))})" if ids else "")) from None
         print(f"submitted {name}: job {ids[-1]}" + (f" after job {ids[-2]}" if len(ids) > 1 else "")
-              + f", log {res.log_dir / name}-{ids[-1]}.out", flush=True)
+              + f", log {log_dir / name}-{ids[-1]}.out", flush=True)
     return ids

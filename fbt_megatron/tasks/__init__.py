@@ -1,2 +1,3 @@
-"""Synthetic tasks that probe what latent feedback adds: ``state_tracking`` (the data) and
-``evaluate`` (accuracy by position after n fused passes and under the full recurrence)."""
+"""Synthetic tasks that probe what latent feedback adds: ``evaluate`` (accuracy by position after n
+fused passes and under the full recurrence) of runs trained on the state-tracking tasks, whose
+data is ``fbt_megatron.data.state_tracking``."""

@@ -14,8 +14,9 @@ positions the model never saw in training. The modes, all in eval mode (no prefi
     full recurrence   k = T passes for test length T: pass j is exact up to position j, so this is
                       the sequential recurrence (each position fed the previous position's final state)
 
-The model and its weights come from the run folder's newest checkpoint (weights only), built from
-the recipe and flags the run was trained with.
+The model and its weights come from the run folder's newest checkpoint (``runs.load_run``: the
+model the checkpoint records, in one process); the recipe and flags must be the ones the run was
+trained with (its model is checked against the checkpoint's; the task and the passes are theirs).
 """
 
 from __future__ import annotations
@@ -71,24 +72,20 @@ def accuracy_by_position(model, tokens: torch.Tensor, labels: torch.Tensor, fuse
 
 
 def load_trained(recipe, run_folder: str):
-    """The run's model (this process alone, weights of its newest checkpoint) and its task."""
-    from fbt_megatron import checkpointing, platform
-    from fbt_megatron.tasks.state_tracking import load_task
+    """The run's model (this process alone, weights of its newest checkpoint: ``runs.load_run``)
+    and its task."""
+    from fbt_megatron.runs import load_run
     from fbt_megatron.stages import checkpoint_state
-    from fbt_megatron.train import build_model
+    from fbt_megatron.data.state_tracking import load_task
 
     task = load_task(recipe.data.data_path)
     checkpoint_state(recipe, run_folder)  # the recipe's model, or one line saying it is not
-    platform.init_distributed(1, 1, recipe.training.seed)
-    vocab = task.vocabulary.padded_vocab_size(1, recipe.data.make_vocab_size_divisible_by)
-    _, model, _ = build_model(recipe, vocab)
-    checkpointing.load(run_folder, model, None, None)
-    return model, task
+    return load_run(run_folder).model, task
 
 
 def evaluate_run(recipe, run_folder: str, lengths: Sequence[int] = (1, 2, 4), sequences: int = 256) -> dict:
     """Accuracy per mode and position bucket of the run in ``run_folder`` (see the module docstring)."""
-    from fbt_megatron.tasks.state_tracking import SPLIT_SEEDS
+    from fbt_megatron.data.state_tracking import SPLIT_SEEDS
 
     if not lengths or any(m < 1 for m in lengths) or list(lengths) != sorted(set(lengths)):
         raise ValueError(f"--lengths must be increasing multiples >= 1 of the training length, got {list(lengths)}")
@@ -129,8 +126,8 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: List[str] | None = None) -> int:
+    from fbt_megatron import flags
     from fbt_megatron.cli import quiet_library_warnings
-    from fbt_megatron.train import parse_args
 
     quiet_library_warnings()
     parser = argparse.ArgumentParser(
@@ -143,7 +140,7 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=256, help="test sequences (default: 256)")
     parser.add_argument("--json", help="also write the result to this file")
     args, training_flags = parser.parse_known_args(argv)
-    recipe = parse_args(training_flags)
+    recipe = flags.parse(training_flags, prog=parser.prog, description=parser.description)
     if recipe.checkpoint.load is None:
         raise ValueError("--load RUN (a trained run folder) is required")
     result = evaluate_run(recipe, recipe.checkpoint.load, args.lengths, args.sequences)

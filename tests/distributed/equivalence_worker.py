@@ -93,7 +93,7 @@ def main():
 
     from megatron.core import parallel_state
 
-    from fbt_megatron.parallel import sequence
+    from fbt_megatron import sequence
 
     torch.set_num_threads(1)
     for layout in json.loads(args.layouts):  # one launch, several layouts: the parallel state is rebuilt for each
@@ -111,16 +111,18 @@ def run_layout(args, out: Path, overrides: list, modes: list):
 
     from megatron.core import parallel_state
 
-    from fbt_megatron import checkpointing, platform, train
+    from fbt_megatron import build, checkpointing, platform, train
+    from fbt_megatron.data.build import build_data
+    from fbt_megatron.step import data_parallel_mean, run_schedule
     from fbt_megatron.offload import STATS
 
     recipe = train.parse_args(["--recipe", "recipes/tiny_cpu.yaml", "--data-path", args.corpus, *SHRINK, *overrides])
     t, p = recipe.training, recipe.parallel
     platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed)
-    data = train.build_data(recipe, dist.get_rank())
+    data = build_data(recipe, dist.get_rank())
     vocab = data.tokenizer.padded_vocab_size(p.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
     if args.create_seed:
-        _, model, _ = train.build_model(recipe, vocab)
+        _, model, _ = build.build_model(recipe, vocab)
         checkpointing.save(args.seed_checkpoint, 0, model, None, None, {"iteration": 0})
         (out / "model.json").parent.mkdir(parents=True, exist_ok=True)
         (out / "model.json").write_text(json.dumps({"vocab_size": vocab, "seq_length": recipe.data.seq_length, **recipe.model_overrides}))
@@ -131,9 +133,9 @@ def run_layout(args, out: Path, overrides: list, modes: list):
     for mode in modes:
         for k in map(int, args.passes.split(",")):
             recipe.model_overrides = {**base, **RECOMPUTE[mode]}
-            config, model, ddp = train.build_model(recipe, vocab)
+            config, model, ddp = build.build_model(recipe, vocab)
             checkpointing.load(args.seed_checkpoint, model, None, None)
-            optimizer, _ = train.build_optimizer(recipe, config, ddp)
+            optimizer, _ = build.build_optimizer(recipe, config, ddp)
             steps, step_deltas, launches = [], [], record_launches(ddp)
             calls = []
             model.decoder.layers[0].register_forward_hook(lambda *_: calls.append(1))
@@ -142,9 +144,9 @@ def run_layout(args, out: Path, overrides: list, modes: list):
                 launches.clear()  # keep the second step's: the first learns when to launch
                 ddp.start_step(k)
                 optimizer.zero_grad()
-                report = train.run_schedule(recipe, ddp, data.train, step * t.global_batch_size, k, forward_only=False)
+                report = run_schedule(recipe, ddp, data.train, step * t.global_batch_size, k, forward_only=False)
                 if report:
-                    reduced = train.data_parallel_mean(report)
+                    reduced = data_parallel_mean(report)
                     steps.append(reduced["pass_losses"])
                     step_deltas.append(reduced.get("state_deltas", []))
                 if step == 0:

@@ -46,10 +46,11 @@ def schedule_and_memory(recipe) -> dict:
     bytes of optimizer state (moments) this rank holds once every state is initialised."""
     import torch.distributed as dist
 
-    from fbt_megatron import optimizers, train
+    from fbt_megatron import build, optimizers
+    from fbt_megatron.optimizers import schedule
 
-    config, model, ddp = train.build_model(recipe, 512)
-    optimizer, scheduler = train.build_optimizer(recipe, config, ddp)
+    config, model, ddp = build.build_model(recipe, 512)
+    optimizer, scheduler = build.build_optimizer(recipe, config, ddp)
     normuon, adam = optimizer.chained_optimizers[0], optimizer.chained_optimizers[1]
     curve = []
     for _ in range(STEPS):
@@ -61,7 +62,7 @@ def schedule_and_memory(recipe) -> dict:
     dist.all_gather_object(state_bytes, optimizers.state_bytes(optimizer))
     peaks = [normuon.param_groups[0]["max_lr"], adam.param_groups[0]["max_lr"]]
     return {"curve": curve, "peaks": peaks, "state_bytes": state_bytes,
-            "cooldown_start": train.cooldown_start(train.lr_schedule(recipe))}
+            "cooldown_start": schedule.cooldown_start(schedule.lr_schedule(recipe))}
 
 
 def run_layout(corpus, seed_checkpoint, out: Path, overrides=(), blockwise=False, resume_from=None) -> None:

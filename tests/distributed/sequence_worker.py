@@ -22,7 +22,7 @@ def main():
 
     from megatron.core import parallel_state
 
-    from fbt_megatron.parallel import sequence
+    from fbt_megatron import sequence
 
     ok = True
     for layout in args.layout:
@@ -45,7 +45,7 @@ def check(args) -> bool:
     from fbt_megatron import platform
     from fbt_megatron.fbt import masked_mean
     from fbt_megatron.parallel.pipeline import _loss_tokens
-    from fbt_megatron.parallel.sequence import sequence_layout
+    from fbt_megatron.sequence import sequence_layout
 
     platform.init_distributed(args.tp, context_parallel_size=args.cp)
     config = SimpleNamespace(sequence_parallel=args.tp > 1, context_parallel_size=args.cp)

@@ -52,7 +52,7 @@ class FBTConfig(PreTrainedConfig):
     """
 
     model_type = "fbt"
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
     vocab_size: int = 100352
     hidden_size: int = 1536

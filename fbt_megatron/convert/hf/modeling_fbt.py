@@ -35,7 +35,7 @@ Without a cache (``use_cache=False``) every call recomputes the whole recurrence
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_fbt import DECODE_MODES, FBTConfig
+
+# transformers renamed the cache field of model outputs and of the mask functions from
+# ``past_key_values`` to ``cache`` (5.20); this file supports both (the mask functions are called
+# positionally, the outputs are built with the field this version has).
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 # ---------------------------------------------------------------- building blocks
@@ -292,18 +297,12 @@ class FBTModel(FBTPreTrainedModel):
     def context(self, inputs_embeds, attention_mask, position_ids, cache) -> PassContext:
         """Masks (causal, windowed on sliding layers, padded keys hidden) and RoPE for the positions
         of ``inputs_embeds`` [b, q, d], given the cache they are appended to (or None)."""
-        mask_kwargs = dict(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
+        mask_args = (self.config, inputs_embeds, attention_mask, cache, position_ids)  # positional: see CACHE_FIELD
         masks = {}
         if self.has_full_layers:
-            masks["full_attention"] = create_causal_mask(**mask_kwargs)
+            masks["full_attention"] = create_causal_mask(*mask_args)
         if self.has_sliding_layers:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+            masks["sliding_attention"] = create_sliding_window_causal_mask(*mask_args)
         return PassContext(masks, self.rotary_emb(inputs_embeds, position_ids))
 
     def stack(self, inputs_embeds: torch.Tensor, ctx: PassContext, cache: Cache | None = None) -> torch.Tensor:
@@ -339,7 +338,7 @@ class FBTModel(FBTPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         position_ids = _position_ids(attention_mask, position_ids, past, inputs_embeds)
         hidden = self.stack(inputs_embeds, self.context(inputs_embeds, attention_mask, position_ids, cache), cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), **{CACHE_FIELD: cache if use_cache else None})
 
 
 def _position_ids(attention_mask, position_ids, past, inputs_embeds) -> torch.Tensor:
@@ -453,7 +452,7 @@ class FBTForCausalLM(FBTPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         output = FBTCausalLMOutputWithPast(
-            loss=loss, logits=logits, cache=cache if use_cache else None, feedback_state=state
+            loss=loss, logits=logits, feedback_state=state, **{CACHE_FIELD: cache if use_cache else None}
         )
         return output if return_dict is not False else output.to_tuple()
 

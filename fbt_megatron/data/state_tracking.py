@@ -21,8 +21,7 @@ A prepared task folder is read like a corpus (``data.corpus: "state_tracking:par
     valid_tokens.bin/.idx, valid_labels.bin/.idx
 
 Tokens and labels share one vocabulary, the group's elements (element 0 is the identity). The
-folder is built in a temporary folder beside it and renamed at the end; an existing folder is never
-modified.
+folder is written whole (``folders.atomic_folder``); an existing folder is never modified.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +37,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from fbt_megatron.data.tokenizer import padded_vocab_size
+from fbt_megatron.folders import FolderExists, atomic_folder
 
 SOURCE_PREFIX = "state_tracking:"  # data.corpus value naming a task: "state_tracking:parity"
 MANIFEST = "task.json"
@@ -208,24 +206,17 @@ def prepare_task(name: str, output: str, seq_length: int, sequences: Optional[di
 
 
 def _build(name: str, output: str, seq_length: int, sequences: dict[str, int]) -> None:
-    """Write the task folder beside ``output`` and rename it into place; when another process
-    got there first (runs started together), its folder is kept and checked by the caller."""
-    parent, base = os.path.split(output)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the task is an ordinary folder
+    """Write the task folder ``output`` whole; when another process got there first (runs started
+    together), its folder is kept and checked by the caller."""
     group, dtype = GROUPS[name], DType.optimal_dtype(GROUPS[name].size)
     try:
-        for split in SPLITS:
-            tokens, labels = group.sample(sequences[split], seq_length, SPLIT_SEEDS[split])
-            _write(os.path.join(tmp, f"{split}_tokens"), tokens, dtype)
-            _write(os.path.join(tmp, f"{split}_labels"), labels, dtype)
-        manifest = {"task": name, "group_size": group.size, "seq_length": seq_length, "sequences": sequences,
-                    "split_seeds": {s: SPLIT_SEEDS[s] for s in SPLITS}}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2)
-        os.rename(tmp, output)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (isinstance(e, OSError) and os.path.isdir(output)):  # else: lost the race, keep theirs
-            raise
+        with atomic_folder(output) as tmp:
+            for split in SPLITS:
+                tokens, labels = group.sample(sequences[split], seq_length, SPLIT_SEEDS[split])
+                _write(str(tmp / f"{split}_tokens"), tokens, dtype)
+                _write(str(tmp / f"{split}_labels"), labels, dtype)
+            manifest = {"task": name, "group_size": group.size, "seq_length": seq_length, "sequences": sequences,
+                        "split_seeds": {s: SPLIT_SEEDS[s] for s in SPLITS}}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    except FolderExists:
+        pass  # lost the race: keep theirs

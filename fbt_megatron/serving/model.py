@@ -1,0 +1,241 @@
+"""The vLLM model of an FBT export (``FBTForCausalLM``, the architecture of the export's config.json).
+
+Layers as ``convert/hf/modeling_fbt.py`` defines them, built from vLLM's (tensor-parallel linear
+layers, per-layer sliding-window attention, neox RoPE, RMSNorm): q/k RMSNorm over head_dim before
+RoPE, the headwise sigmoid gate on each head's output, sandwich norms with the residual scale α, a
+SwiGLU MLP, the final norm and the tied embedding. The FBT fusion
+
+    u_t = RMSNorm(W_U s_{t-1} ⊙ sigmoid(W_G e_t))
+
+takes s_{t-1} from the persistent state buffer or from the previous pass of the same step, as the
+step's plan says (``state``). Without a plan (vLLM's profile and dummy runs) a step is one plain pass.
+
+Weights load from the export's safetensors names. Three different weights are called ``gate_proj``:
+``self_attn.gate_proj`` (the headwise gate), ``mlp.gate_proj`` (SwiGLU's gate, stacked with
+``up_proj`` into ``gate_up_proj``) and ``feedback.gate_proj`` (W_G).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.sequence import IntermediateTensors
+
+from fbt_megatron.serving.state import FeedbackState
+
+
+class FBTAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, cache_config, quant_config, prefix: str):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        d = config.hidden_size
+        self.qkv_proj = QKVParallelLinear(d, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+                                          bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, d, bias=False,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        # the headwise gate: one row per query head, split across ranks with the heads
+        self.gate_proj = (ColumnParallelLinear(d, config.num_attention_heads, bias=False, quant_config=None,
+                                               prefix=f"{prefix}.gate_proj") if config.attention_gate else None)
+        self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings, is_neox_style=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)})
+        windowed = config.layer_types[layer_idx] == "sliding_attention"
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+                              cache_config=cache_config, quant_config=quant_config,
+                              per_layer_sliding_window=config.sliding_window if windowed else None,
+                              prefix=f"{prefix}.attn")
+
+    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)
+        if self.gate_proj is not None:
+            gate, _ = self.gate_proj(x)
+            out = (out.view(-1, self.num_heads, self.head_dim) * torch.sigmoid(gate).unsqueeze(-1)).view(out.shape)
+        out, _ = self.o_proj(out)
+        return out
+
+
+class FBTMLP(nn.Module):
+    def __init__(self, config, quant_config, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        out, _ = self.down_proj(self.act_fn(gate_up))
+        return out
+
+
+class FBTDecoderLayer(nn.Module):
+    """h ← h + α·post_attention_layernorm(Attn(input_layernorm(h)));
+    h ← h + α·post_feedforward_layernorm(MLP(pre_feedforward_layernorm(h)))."""
+
+    def __init__(self, config, layer_idx: int, cache_config, quant_config, prefix: str):
+        super().__init__()
+        eps, d = config.rms_norm_eps, config.hidden_size
+        self.alpha = float(config.residual_scale)
+        self.input_layernorm = RMSNorm(d, eps=eps)
+        self.self_attn = FBTAttention(config, layer_idx, cache_config, quant_config, f"{prefix}.self_attn")
+        self.pre_feedforward_layernorm = RMSNorm(d, eps=eps)
+        self.mlp = FBTMLP(config, quant_config, f"{prefix}.mlp")
+        self.post_attention_layernorm = RMSNorm(d, eps=eps) if config.sandwich_norm else None
+        self.post_feedforward_layernorm = RMSNorm(d, eps=eps) if config.sandwich_norm else None
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        out = self.self_attn(positions, self.input_layernorm(h))
+        if self.post_attention_layernorm is not None:
+            out = self.post_attention_layernorm(out)
+        h = torch.add(h, out, alpha=self.alpha)
+        out = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.post_feedforward_layernorm is not None:
+            out = self.post_feedforward_layernorm(out)
+        return torch.add(h, out, alpha=self.alpha)
+
+
+class FBTFeedbackFusion(nn.Module):
+    """u = norm(up_proj(s) ⊙ sigmoid(gate_proj(e))), up_proj = W_U, gate_proj = W_G (replicated)."""
+
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        d = config.hidden_size
+        self.up_proj = ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.up_proj")
+        self.gate_proj = ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.gate_proj")
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
+
+    def forward(self, carried: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        up, _ = self.up_proj(carried)
+        gate, _ = self.gate_proj(embeddings)
+        return self.norm(up * torch.sigmoid(gate))
+
+
+class FBTModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            FBTDecoderLayer(config, i, cache_config, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.feedback = FBTFeedbackFusion(config, f"{prefix}.feedback") if config.latent_feedback else None
+
+    def stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass: inputs → (h_L, RMSNorm_final(h_L))."""
+        h = x
+        for layer in self.layers:
+            h = layer(positions, h)
+        return h, self.norm(h)
+
+    def top_state(self, hidden: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        return normed if self.config.feedback_source == "final_norm" else hidden
+
+
+class FBTForCausalLM(nn.Module):
+    """vLLM's model interface (``interfaces_base``) for FBT exports; see the module docstring."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = FBTModel(vllm_config=vllm_config, prefix="model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.feedback_state = None
+        if config.latent_feedback:
+            scheduler = vllm_config.scheduler_config
+            self.feedback_state = FeedbackState(
+                scheduler.max_num_seqs, scheduler.max_num_batched_tokens, config.hidden_size,
+                vllm_config.model_config.dtype, torch.device(vllm_config.device_config.device))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        e = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        state = self.feedback_state
+        plan = state.plan if state is not None else None
+        if plan is None:  # profile / dummy runs, baselines: one plain pass
+            return self.model.stack(positions, e)[1]
+        fusion = self.model.feedback
+        n = plan.num_tokens
+        x = e
+        if plan.any_buffer:  # decoded positions after an earlier step: fuse(buffer[slot], e_t)
+            carried = state.buffer[state.token_slot[:n]]
+            x = torch.cat([torch.where(state.token_reads[:n], fusion(carried, e[:n]), e[:n]), e[n:]])
+        for j in range(1, plan.passes + 1):
+            if j > 1:  # u_t = fuse(s^{(j-1)}_{t-1}, e_t) where the plan still fuses at pass j
+                index = plan.fuse_index[plan.fuse_until >= j]
+                x = x.index_copy(0, index, fusion(top[index - 1], e[index]))
+            hidden, normed = self.model.stack(positions, x)
+            top = self.model.top_state(hidden, normed)
+        state.write_back(top)
+        return normed
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The export's safetensors names → this model's parameters (q/k/v stacked into qkv_proj,
+        SwiGLU's gate/up into gate_up_proj; the headwise gate and W_G keep their names)."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, weight in weights:
+            if name == "lm_head.weight":  # tied: the embedding
+                continue
+            target, shard = name, None
+            for part in ("q", "k", "v"):
+                if f".self_attn.{part}_proj." in name:
+                    target, shard = name.replace(f".{part}_proj.", ".qkv_proj."), part
+            for index, part in enumerate(("gate", "up")):
+                if f".mlp.{part}_proj." in name:
+                    target, shard = name.replace(f".mlp.{part}_proj.", ".mlp.gate_up_proj."), index
+            if target not in params:
+                raise ValueError(f"unexpected weight {name} in the export (no parameter {target})")
+            param = params[target]
+            if shard is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, weight)
+            else:
+                param.weight_loader(param, weight, shard)
+            loaded.add(target)
+        return loaded

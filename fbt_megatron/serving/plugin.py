@@ -1,0 +1,31 @@
+"""vLLM's general plugin for FBT exports (entry point ``vllm.general_plugins``: ``fbt``).
+
+vLLM calls ``register`` in every process it starts (frontend, engine core, workers); it is
+idempotent. It registers the export's config class (``AutoConfig``) and tokenizer
+(``AutoTokenizer``) with transformers, so an export loads without ``trust_remote_code``; the model
+``FBTForCausalLM`` and its engine-configuration hook with vLLM; and the runner and prefix-cache
+hooks (``runner``, ``prefix_cache``).
+"""
+
+from __future__ import annotations
+
+ARCHITECTURE = "FBTForCausalLM"
+
+
+def register() -> None:
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from fbt_megatron.convert.hf.configuration_fbt import FBTConfig
+    from fbt_megatron.convert.hf.tokenization_fbt import FBTTokenizer
+    from fbt_megatron.serving import prefix_cache, runner
+    from fbt_megatron.serving.engine import FBTEngineConfig
+
+    AutoConfig.register(FBTConfig.model_type, FBTConfig, exist_ok=True)
+    AutoTokenizer.register(FBTConfig, slow_tokenizer_class=FBTTokenizer, exist_ok=True)
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, "fbt_megatron.serving.model:FBTForCausalLM")
+    MODELS_CONFIG_MAP[ARCHITECTURE] = FBTEngineConfig
+    runner.install()
+    prefix_cache.install()

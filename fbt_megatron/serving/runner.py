@@ -1,0 +1,76 @@
+"""Two hooks in vLLM's V1 model runner (``GPUModelRunner``, which the CPU runner inherits) that give
+an FBT model its step's requests. Installed once per process by the plugin; models without a
+``feedback_state`` are not touched.
+
+* ``execute_model``: first, the slots of the requests the scheduler finished, aborted or preempted
+  since the last step go back to the buffer (``SchedulerOutput.finished_req_ids`` /
+  ``preempted_req_ids``);
+* ``_model_forward`` (real steps only: profile and dummy runs call the model directly): the plan of
+  the step from the persistent batch (request ids in row order, ``query_start_loc``, computed
+  tokens, prompt lengths, each request's ``SamplingParams.extra_args``), set on the model for the
+  forward and cleared after it.
+
+On GPUs vLLM 0.32 defaults to "model runner V2", whose per-request hook is the model's
+``get_model_state_cls()``; the engine refuses it for FBT (``engine``) until that is written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fbt_megatron.serving.requests import request_mode
+from fbt_megatron.serving.state import Row
+
+
+def _feedback(runner):
+    return getattr(getattr(runner, "model", None), "feedback_state", None)
+
+
+def step_rows(runner, defaults) -> list:
+    """The step's requests in the packed batch's order."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    starts = runner.query_start_loc.np[: num_reqs + 1]
+    rows = []
+    for i, req_id in enumerate(batch.req_ids[:num_reqs]):
+        request = runner.requests[req_id]
+        prompt = request.num_prompt_tokens
+        mode = request_mode(request.sampling_params.extra_args if request.sampling_params else None, defaults)
+        length = min(mode.prompt_length or prompt, prompt)
+        rows.append(Row(req_id, int(starts[i]), int(starts[i + 1]), int(batch.num_computed_tokens_cpu[i]), length, mode))
+    return rows
+
+
+def install() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from fbt_megatron.serving.engine import export_defaults
+
+    if getattr(GPUModelRunner, "_fbt_hooks", False):
+        return
+
+    execute_model, model_forward = GPUModelRunner.execute_model, GPUModelRunner._model_forward
+
+    @functools.wraps(execute_model)
+    def execute_model_hook(self, scheduler_output, *args, **kwargs):
+        state = _feedback(self)
+        if state is not None:
+            state.release(scheduler_output.finished_req_ids)
+            state.release(scheduler_output.preempted_req_ids or (), preempted=True)
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    @functools.wraps(model_forward)
+    def model_forward_hook(self, *args, **kwargs):
+        state = _feedback(self)
+        if state is None:
+            return model_forward(self, *args, **kwargs)
+        defaults = export_defaults(self.model_config.hf_config, self.scheduler_config)
+        state.prepare(step_rows(self, defaults))
+        try:
+            return model_forward(self, *args, **kwargs)
+        finally:
+            state.plan = None
+
+    GPUModelRunner.execute_model = execute_model_hook
+    GPUModelRunner._model_forward = model_forward_hook
+    GPUModelRunner._fbt_hooks = True

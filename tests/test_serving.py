@@ -1,0 +1,367 @@
+"""Serving FBT exports with vLLM (``fbt_megatron.serving``), on CPU with a real engine.
+
+Every output is checked against the HF export's own code (``generate`` / ``decode_logits`` of
+``modeling_fbt.py`` loaded with ``trust_remote_code``): greedy tokens equal token for token and
+log-probabilities within 1e-4, for batches mixing standard, soft and fused(2) requests of prompt
+lengths 3 … 40 past the sliding window (16), both feedback sources, under continuous batching with
+a KV cache small enough to preempt, chunked prefill, prefix caching, 100 requests through 4 slots,
+``vllm serve`` with the ``openai`` client, and lm-eval's vLLM backend against the HF ``fbt`` model.
+
+Engine starts are few (they take ~15 s on an idle machine): one offline engine per feedback source,
+one server, one lm-eval engine. The module is skipped only when vLLM is not installed
+(``pip install -r requirements-serve.txt``); CI installs it and sets FBT_REQUIRE_VLLM=1, which
+turns the skip into a failure.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("FBT_REQUIRE_VLLM") == "1":
+        raise RuntimeError("FBT_REQUIRE_VLLM=1 but vllm is not installed: pip install -r requirements-serve.txt")
+    pytest.skip("vllm is not installed (pip install -r requirements-serve.txt; see docs/serving.md)",
+                allow_module_level=True)
+
+# the engine's workers (spawned processes) read these
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # vLLM's sampler compiles a logprob kernel with inductor
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model: inspect the state buffer
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from fbt_megatron.serving.synthetic import write_export  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = (3, 9, 17, 26, 33, 40)  # prompts around and past the sliding window (16)
+MODES = ({"decode_mode": "standard"}, {"decode_mode": "soft"}, {"decode_mode": "fused", "fused_prefill_passes": 2})
+NEW = 12
+TOL = 1e-4
+
+
+def prompts(lengths, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def mixed(lengths=LENGTHS, modes=MODES, seed=0):
+    """[(prompt, mode)]: every length in every mode."""
+    return [(p, m) for p in prompts(lengths, seed) for m in modes]
+
+
+def engine(export, **kwargs):
+    from vllm import LLM
+
+    args = dict(model=str(export), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
+                max_num_seqs=4, enable_chunked_prefill=False, seed=0)
+    return LLM(**{**args, **kwargs})
+
+
+def run(llm, requests, max_tokens=NEW, **extra):
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1, ignore_eos=True, extra_args=dict(m), **extra)
+              for _, m in requests]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def state_of(llm) -> dict:
+    """The worker's state buffer: slots in use, its shape and address, the step counters."""
+    from fbt_megatron.serving.state import summary
+
+    return llm.apply_model(summary)[0]
+
+
+class Reference:
+    """The HF export (its own remote code), greedy generation and decode_logits per request."""
+
+    def __init__(self, export):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
+        self.memo = {}
+
+    def generate(self, prompt, mode, max_tokens=NEW):
+        key = (tuple(prompt), json.dumps(mode, sort_keys=True), max_tokens)
+        if key not in self.memo:
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                      decode_mode=mode["decode_mode"], fused_prefill_passes=mode.get("fused_prefill_passes"),
+                                      output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            logprobs = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+            self.memo[key] = (tokens, logprobs)
+        return self.memo[key]
+
+    def logprobs(self, ids, prompt_length, mode):
+        """log P(ids[t] | ids[:t]) for t = 1 … T−1 as decode_logits scores them."""
+        with torch.no_grad():
+            logits = self.model.decode_logits(torch.tensor([ids]), prompt_length, decode_mode=mode["decode_mode"],
+                                              fused_prefill_passes=mode.get("fused_prefill_passes"))
+        lp = torch.log_softmax(logits[0].double(), -1)
+        return [lp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+
+
+def assert_equal(reference, requests, outputs, what):
+    """Tokens equal, log-probabilities within TOL; returns the largest difference."""
+    worst = 0.0
+    for (prompt, mode), (tokens, logprobs) in zip(requests, outputs):
+        ref_tokens, ref_logprobs = reference.generate(prompt, mode, len(tokens))
+        assert tokens == ref_tokens, f"{what}: {mode} prompt of {len(prompt)}: vLLM {tokens} != HF {ref_tokens}"
+        worst = max(worst, max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)))
+    assert worst < TOL, f"{what}: largest |logprob difference| {worst:.2e}"
+    print(f"{what}: {len(requests)} requests equal, largest |Δ logprob| = {worst:.1e}")
+    return worst
+
+
+# ---------------------------------------------------------------- exports and engines
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, small_corpus):
+    """Two tiny exports (head_dim 32, window 16, float32): the paper's (residual feedback, with the
+    corpus's sentencepiece tokenizer) and the variant (final-norm feedback, no sandwich norms)."""
+    base = tmp_path_factory.mktemp("serving")
+    return {
+        "residual": write_export(base / "residual", seed=1, tokenizer_model=small_corpus.tokenizer_path,
+                                 max_position_embeddings=512),
+        "final_norm": write_export(base / "final_norm", seed=2, feedback_source="final_norm", sandwich_norm=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(exports):
+    return Reference(exports["residual"])
+
+
+@pytest.fixture(scope="module")
+def llm(exports):
+    """The residual export: no chunked prefill, 4 sequences at a time, and a KV cache of 16 blocks of
+    32 tokens (about 85 tokens of every layer: running requests that grow past a block get preempted)."""
+    llm = engine(exports["residual"], block_size=32, num_gpu_blocks_override=16, max_model_len=64)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_mixed_modes_batching_and_preemption_equal_hf(llm, reference):
+    """18 requests (6 lengths × standard/soft/fused(2), 24 new tokens each) submitted together through
+    4 slots and a KV cache that preempts: every one equals HF's generate, and the fed-back states were recomputed
+    exactly after preemption (which the test checks happened)."""
+    requests = mixed()
+    before = state_of(llm)
+    outputs = run(llm, requests, max_tokens=24)  # prompts of up to 40 grow to 64 tokens
+    assert_equal(reference, requests, outputs, "batching + preemption (residual)")
+    after = state_of(llm)
+    assert after["preempted"] > before["preempted"], "the KV cache was meant to force preemption"
+    assert after["max_passes"] >= 3  # fused(2) prefills ran 3 passes
+    assert after["in_use"] == 0 and after["shape"] == before["shape"] and after["address"] == before["address"]
+
+
+def test_prompt_logprobs_equal_decode_logits(llm, reference):
+    """Scoring: prompt log-probabilities with a context length per request equal decode_logits."""
+    from vllm import SamplingParams
+
+    ids = prompts([30], seed=3)[0]
+    worst = 0.0
+    for mode in MODES:
+        for length in (1, 12, 30):
+            params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
+                                    extra_args={**mode, "prompt_length": length})
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
+            expected = reference.logprobs(ids, length, mode)
+            worst = max(worst, max(abs(a - b) for a, b in zip(got, expected)))
+    assert worst < TOL
+    print(f"prompt logprobs = decode_logits: largest |Δ| = {worst:.1e}")
+
+
+def test_prefix_caching_never_reuses_fed_back_kv(llm, reference):
+    """Prefix caching is on: a second request whose prompt holds the first one's soft output (and a
+    third that shares only its prompt) equal HF, in every mode."""
+    first = [(prompts([20], seed=4)[0], {"decode_mode": "soft"})]
+    out = run(llm, first, max_tokens=20)
+    assert_equal(reference, first, out, "prefix caching: the first")
+    tokens = out[0][0]
+    follow = first[0][0] + tokens + prompts([3], seed=5)[0]
+    shared = first[0][0] + prompts([9], seed=6)[0]
+    requests = [(p, m) for p in (follow, shared) for m in MODES]
+    assert_equal(reference, requests, run(llm, requests), "prefix caching: continuations")
+
+
+def test_many_requests_leave_no_state(llm, reference):
+    """100 requests of random lengths and modes through 4 slots: every output equals the request
+    generated alone, all slots are free afterwards and the buffer neither grew nor moved."""
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(3, 41, (100,), generator=g).tolist()
+    modes = [MODES[i] for i in torch.randint(0, 3, (100,), generator=g).tolist()]
+    requests = list(zip(prompts(lengths, seed=8), modes))
+    before = state_of(llm)
+    outputs = run(llm, requests, max_tokens=6)
+    assert_equal(reference, requests, outputs, "100 requests")
+    after = state_of(llm)
+    assert after["in_use"] == 0 and after["shape"] == before["shape"] == (5, 64)
+    assert after["address"] == before["address"]
+
+
+def test_bad_mode_is_that_requests_error(llm, reference):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    ids = prompts([6], seed=9)[0]
+    for bad, message in (({"decode_mode": "beam"}, "unknown decode mode 'beam'"),
+                         ({"decode_mode": "soft", "fused_prefill_passes": 2}, "needs decode_mode=fused"),
+                         ({"decode_mode": "soft", "prompt_length": 0}, "prompt_length must be a positive integer")):
+        with pytest.raises(VLLMValidationError, match=message):
+            llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2, extra_args=bad), use_tqdm=False)
+    assert_equal(reference, [(ids, MODES[1])], run(llm, [(ids, MODES[1])]), "after refusals")
+
+
+def test_soft_on_a_baseline_is_refused_at_admission():
+    """The admission check of a baseline export's engine (latent_feedback false)."""
+    from vllm import SamplingParams
+
+    from fbt_megatron.serving import engine as engine_module
+    from fbt_megatron.serving.requests import FBTRequests
+
+    saved = engine_module._CURRENT
+    engine_module._CURRENT = engine_module.ExportDefaults(False, "standard", 0, False)
+    try:
+        with pytest.raises(ValueError, match="needs latent feedback; this export has none"):
+            FBTRequests.validate_params(SamplingParams(extra_args={"decode_mode": "soft"}))
+        params = SamplingParams()
+        FBTRequests.validate_params(params)
+        assert params.extra_args == {"decode_mode": "standard", "fused_prefill_passes": 0}
+    finally:
+        engine_module._CURRENT = saved
+
+
+def test_chunked_prefill_final_norm_feedback(llm, exports):
+    """The final-norm export with chunked prefill and a 16-token budget: prompts of up to 40
+    tokens arrive in chunks; standard and soft equal HF; fused(n) is refused in one line (it needs
+    the whole prompt in one step) and the engine keeps serving."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    llm.llm_engine.engine_core.shutdown()  # one engine at a time on the 2-core machine
+    chunked = engine(exports["final_norm"], enable_chunked_prefill=True, max_num_batched_tokens=16)
+    try:
+        reference = Reference(exports["final_norm"])
+        requests = mixed(modes=MODES[:2], seed=10)
+        assert_equal(reference, requests, run(chunked, requests), "chunked prefill (final_norm)")
+        with pytest.raises(VLLMValidationError, match="needs the whole prompt in one step.*--no-enable-chunked-prefill"):
+            chunked.generate([{"prompt_token_ids": requests[0][0]}], SamplingParams(extra_args=MODES[2]), use_tqdm=False)
+        assert_equal(reference, requests[:2], run(chunked, requests[:2]), "chunked prefill after a refusal")
+        assert state_of(chunked)["in_use"] == 0
+    finally:
+        chunked.llm_engine.engine_core.shutdown()
+
+
+# ---------------------------------------------------------------- the OpenAI server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_in_every_mode(exports, reference, tmp_path):
+    """``vllm serve EXPORT`` on 127.0.0.1 and the ``openai`` client: completions in each mode
+    (``vllm_xargs``) equal HF's generate; a bad mode is an HTTP 400 with one message and the server
+    keeps serving."""
+    import openai
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(exports["residual"]), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4",
+           "--no-enable-chunked-prefill", "--served-model-name", "fbt", "--seed", "0"]
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), cwd=ROOT)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "vllm serve did not start in 15 minutes"
+                time.sleep(2)
+        requests = mixed(lengths=(5, 24), seed=11)
+        outputs = []
+        for prompt, mode in requests:
+            out = client.completions.create(model="fbt", prompt=prompt, max_tokens=NEW, temperature=0, logprobs=1,
+                                            extra_body={"vllm_xargs": mode, "return_token_ids": True, "ignore_eos": True})
+            choice = out.choices[0]
+            outputs.append((list(choice.token_ids), list(choice.logprobs.token_logprobs)))
+        assert_equal(reference, requests, outputs, "vllm serve + openai")
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="fbt", prompt=requests[0][0], max_tokens=2,
+                                      extra_body={"vllm_xargs": {"decode_mode": "beam"}})
+        assert refused.value.status_code == 400 and "unknown decode mode 'beam'" in str(refused.value)
+        again = client.completions.create(model="fbt", prompt=requests[1][0], max_tokens=NEW, temperature=0,
+                                          extra_body={"vllm_xargs": requests[1][1], "return_token_ids": True,
+                                                      "ignore_eos": True})
+        assert list(again.choices[0].token_ids) == outputs[1][0]
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+# ---------------------------------------------------------------- lm-eval on vLLM
+def test_lm_eval_vllm_backend_equals_hf(exports, tmp_path):
+    """lm-eval's ``fbt-vllm`` model on the local tasks' text: per item, standard equals the HF
+    ``fbt`` model in standard (= lm-eval's ``hf``) within 1e-4; soft and fused(2) equal ``fbt`` in
+    those modes within 1e-4 or 1e-5 per continuation token (a sum of float32 log-probabilities fed
+    back through up to 42 steps); ``harness.ExportEvaluator(backend="vllm")`` evaluates the tasks."""
+    from fbt_megatron.evaluation.harness import ExportEvaluator, table_row
+    from fbt_megatron.evaluation.lm import FBTLM
+    from fbt_megatron.evaluation.local_tasks import build_tasks
+    from fbt_megatron.evaluation.vllm_lm import FBTVLLM
+
+    export = str(exports["residual"])
+    tasks = build_tasks(str(tmp_path / "tasks"), documents=4, questions=8, max_chars=300)
+    hf = FBTLM(pretrained=export, batch_size=8)
+    vl = FBTVLLM(pretrained=export, batch_size=8, max_model_len=512, max_num_seqs=8, seed=0)
+    items = [json.loads(line) for line in (Path(tasks.folder) / "next_line.jsonl").read_text().splitlines()]
+    requests = [((i["context"], c), *hf._encode_pair(i["context"], c)) for i in items[:4] for c in i["choices"]]
+    docs = [json.loads(line)["text"] for line in (Path(tasks.folder) / "perplexity.jsonl").read_text().splitlines()]
+    requests += [((None, d), [hf.prefix_token_id], hf.tok_encode(d)[:24]) for d in docs[:2]]  # a rolling window
+    worst = {}
+    for mode, passes in (("standard", 0), ("soft", 0), ("fused", 2)):
+        for lm in (hf, vl):
+            lm.decode_mode, lm.fused_prefill_passes = mode, passes
+        a, b = hf._loglikelihood_tokens(requests), vl._loglikelihood_tokens(requests)
+        diffs = [abs(x[0] - y[0]) for x, y in zip(a, b)]
+        worst[mode] = max(diffs)
+        print(mode, "per-item |Δ|:", " ".join(f"{d:.1e}" for d in diffs),
+              "continuation lengths:", [len(r[2]) for r in requests])
+        assert all(x[1] == y[1] for x, y in zip(a, b)), mode
+        for d, (_, _, continuation) in zip(diffs, requests):
+            assert d < (TOL if mode == "standard" else max(TOL, 1e-5 * len(continuation))), (mode, d, len(continuation))
+    print(f"lm-eval vLLM vs HF, largest |Δ loglikelihood| per item: {worst}")
+    evaluator = ExportEvaluator(export, lm=vl, backend="vllm")
+    row = table_row(evaluator.evaluate("fused(2)", tasks, limit=4))
+    assert 0 <= row["acc"] <= 1 and row["word_perplexity"] > 1
+
+
+def test_evaluation_backend_flag():
+    from fbt_megatron.evaluation.__main__ import _backend
+
+    assert _backend(["run", "--model", "fbt", "--backend", "vllm"]) == (["run", "--model", "fbt-vllm"], "vllm")
+    assert _backend(["run", "--backend=vllm"]) == (["run", "--model", "fbt-vllm"], "vllm")
+    assert _backend(["run", "--model", "fbt"]) == (["run", "--model", "fbt"], "hf")
+    with pytest.raises(ValueError, match="choose hf or vllm"):
+        _backend(["--backend", "tpu"])
