@@ -29,6 +29,12 @@ def test_the_data_constrained_comparison_is_kept_only_when_it_held_in_every_seed
     assert demo.lm_held(None, "100k", "fbt_k2", "e8") is None
 
 
+def test_a_comparison_left_out_says_why():
+    assert "no shipped result yet (docs/evidence/state_tracking/)" in demo.not_shown("state_tracking", False, "x")
+    held_not = demo.not_shown("compute_for_data", True, "FBT did not end below")
+    assert "in the study behind docs/evidence.md, FBT did not end below (the numbers: docs/evidence/compute_for_data/)" in held_not
+
+
 def test_a_task_setting_is_kept_only_when_every_run_held():
     runs = [{"model": "fbt_window8", "held": True, "threads": t} for t in (1, 2)] + [{"model": "fbt", "held": True, "threads": 1},
                                                                                       {"model": "fbt", "held": False, "threads": 2}]

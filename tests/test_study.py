@@ -138,7 +138,7 @@ def test_the_table_equals_the_logged_values(grid):
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = ROOT / "docs" / "evidence"
 VERSION = re.compile(r"(?:Python|torch|megatron-core|transformers|lm-eval|vLLM|vllm|CUDA|sentencepiece)\s+v?\d+(?:\.\d+)+")
-NUMBER = re.compile(r"(?<![\w.])\d+\.\d{2,}(?![\w.])")
+NUMBER = re.compile(r"(?<![\w.])[-−]?\d+\.\d{2,}(?![\w.])")  # with its sign: a difference's sign is checked too
 
 
 def numbers_in(value):
@@ -157,7 +157,11 @@ def numbers_in(value):
 
 def settings():
     """Numbers written in the recipes and study files (settings, not measurements)."""
-    return {float(n) for path in (ROOT / "recipes").rglob("*.yaml") for n in NUMBER.findall(path.read_text())}
+    return {value(n) for path in (ROOT / "recipes").rglob("*.yaml") for n in NUMBER.findall(path.read_text())}
+
+
+def value(quoted: str) -> float:
+    return float(quoted.replace("−", "-"))
 
 
 def unmeasured(text: str, measured: list, allowed: set) -> list:
@@ -165,15 +169,15 @@ def unmeasured(text: str, measured: list, allowed: set) -> list:
     out = []
     for quoted in NUMBER.findall(VERSION.sub("", text)):
         places = len(quoted.split(".")[1])
-        if float(quoted) in allowed:
+        if value(quoted) in allowed:
             continue
-        if not any(round(v, places) == float(quoted) for v in measured):
+        if not any(round(v, places) == value(quoted) for v in measured):
             out.append(quoted)
     return out
 
 
 def test_evidence_and_readme_quote_only_measured_numbers():
-    from fbt_megatron.studies import compare
+    from fbt_megatron.studies import compare, results
 
     measured = []
     for path in EVIDENCE.rglob("*.json"):
@@ -183,7 +187,7 @@ def test_evidence_and_readme_quote_only_measured_numbers():
         summary = path.parent / "summary.md"
         if summary.exists():
             assert compare.summary_markdown(json.loads(path.read_text())) == summary.read_text(), summary
-    allowed = settings()
+    allowed = settings() | {results.HELD}  # the threshold a task run must reach to hold
     for doc in (ROOT / "docs" / "evidence.md", ROOT / "README.md"):
         text = doc.read_text()
         assert unmeasured(text, measured, allowed) == [], f"{doc.name} quotes numbers no result file holds"
@@ -195,6 +199,8 @@ def test_evidence_and_readme_quote_only_measured_numbers():
 def test_the_number_check_catches_a_number_no_run_produced():
     assert unmeasured("valid loss 3.6944 (3.69–3.70), Python 3.11, lr 0.75", [3.69441, 3.6899, 3.7012], {0.75}) == []
     assert unmeasured("FBT reaches 3.512", [3.6944], set()) == ["3.512"]
+    assert unmeasured("FBT minus the baseline: −0.0276 (-0.0300–-0.0276)", [-0.02757, -0.03], set()) == []
+    assert unmeasured("FBT is lower by 0.0276", [-0.02757], set()) == ["0.0276"]  # the sign is checked
 
 
 def fake_run(model, epochs, seed, valid, best=None, compute_of=None, k=1):
