@@ -89,6 +89,7 @@ def grid(small_corpus, tmp_path_factory):
     return study, tmp
 
 
+@pytest.mark.slow
 def test_a_grid_runs_through_the_entry_point_and_is_reused(grid):
     study, tmp = grid
     runs = studies.runs_of(study, "two", tmp / "root")
@@ -113,6 +114,7 @@ def test_a_grid_runs_through_the_entry_point_and_is_reused(grid):
     assert len(failed) == 2 and all("holds a run of another command" in message for _, message in failed)
 
 
+@pytest.mark.slow
 def test_the_table_equals_the_logged_values(grid):
     study, tmp = grid
     results = studies.report(study, ["two"], tmp / "root", tmp / "report")
