@@ -21,12 +21,16 @@ def verdict(gaps, below):
             "fused0_below_frontier": below}
 
 
-def test_the_data_constrained_comparison_is_kept_only_when_it_held_in_every_seed():
-    held = verdict([-0.05, -0.02, -0.03], 3)
-    assert demo.lm_held({"per_cell": [held]}, "100k", "fbt_k2", "e8") == held
-    assert demo.lm_held({"per_cell": [verdict([-0.05, 0.01, -0.03], 2)]}, "100k", "fbt_k2", "e8") is None
-    assert demo.lm_held({"per_cell": [held]}, "100k", "fbt_k2", "e4") is None  # not studied: not shown
-    assert demo.lm_held(None, "100k", "fbt_k2", "e8") is None
+def test_the_data_constrained_comparison_quotes_whether_it_held_in_every_seed():
+    held, not_held = verdict([-0.05, -0.02, -0.03], 3), verdict([-0.05, 0.01, -0.03], 2)
+    assert demo.lm_verdict({"per_cell": [held]}, "100k", "fbt_k2", "e8") == held and demo.held(held)
+    assert demo.lm_verdict({"per_cell": [not_held]}, "100k", "fbt_k2", "e8") == not_held and not demo.held(not_held)
+    assert demo.lm_verdict({"per_cell": [held]}, "100k", "fbt_k2", "e4") is None  # not studied: not run
+    assert demo.lm_verdict(None, "100k", "fbt_k2", "e8") is None
+    rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512, 3.78], k=2)]
+    text = demo.lm_findings(rows, not_held, {"tokens": 100_000, "documents": 22})
+    assert "This is one seed, not a result" in text and "in 2 of 3 seeds" in text
+    assert "-0.0233 on average, -0.0500 to +0.0100" in text
 
 
 def test_a_comparison_left_out_says_why():
