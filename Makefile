@@ -11,8 +11,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 .PHONY: setup demo test
 setup: $(VENV)/.installed
 
-# baselines against FBT models on CPU (language modelling, state tracking), about 11 minutes on 2 cores;
-# longer: make demo DEMO_ARGS="--train-iters 3000 --twice-tokens"
+# baselines against FBT models on CPU (compute for data, state tracking; only what held in every seed of
+# docs/evidence.md), about 11 minutes on 2 cores; the studies' grids behind it: make demo DEMO_ARGS=--full
 demo: setup
 	$(ACT) python tools/demo.py $(DEMO_ARGS)
 

@@ -1,48 +1,60 @@
-"""tools/demo.py on synthetic records: progress parsed from the real log format, the words written
-from the numbers, and an honest figure."""
+"""tools/demo.py on synthetic results: which settings it keeps (only those that held for every seed in
+the shipped studies), the words written from the numbers, and an honest figure."""
 
 import demo
 import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
 
-from fbt_megatron.metrics import format_record
+
+def lm_row(model, epochs, valid, compute_of=None, k=1):
+    tokens = int(epochs * 100_000)
+    curve = [{"step": s, "tokens": tokens * s // 4, "compute_tokens": k * tokens * s // 4, "valid": [v + 0.1 * (4 - s) for v in valid]}
+             for s in (1, 2, 3, 4)]
+    return {"data": "100k", "model": model, "length": f"e{epochs:g}", "seed": 1, "threads": 1, "steps": 100,
+            "epochs": epochs, "compute_of": compute_of, "tokens": tokens, "compute_tokens": k * tokens,
+            "valid": valid, "best_valid": valid[0], "curve": curve}
 
 
-def record(step, loss, **extra):
-    return {"step": step, "k": 2, "loss": loss, "pass_losses": [loss, loss + 0.1], "state_deltas": [0.5], "lr": 1e-3,
-            "grad_norm": 0.4, "tokens_per_s": 12345.6, "tokens": step * 100, "compute_tokens": step * 150, **extra}
+def verdict(gaps, below):
+    return {"data": "100k", "model": "fbt_k2", "length": "e8", "seeds": len(gaps), "compute_tokens": 1.6e6,
+            "fused0_minus_frontier": {"mean": sum(gaps) / len(gaps), "min": min(gaps), "max": max(gaps), "n": len(gaps)},
+            "fused0_below_frontier": below}
 
 
-def lm_run(name, valid, gaps=(0.6, 0.3)):
-    """A summarized run whose validations at steps 100, 200 have these gaps between 1 fused pass and none."""
-    evals = [{f"valid_loss_fused{j}": valid[0] + j * gap for j in range(len(valid))} for gap in gaps]
-    records = [record(100 * (i + 1), 4.0 - i, **e) for i, e in enumerate(evals)]
-    return {"name": name, "records": records, "valid": valid, "tokens": records[-1]["tokens"],
-            "compute_tokens": records[-1]["compute_tokens"], "tokens_per_s": 1000.0}
+def test_the_data_constrained_comparison_quotes_whether_it_held_in_every_seed():
+    held, not_held = verdict([-0.05, -0.02, -0.03], 3), verdict([-0.05, 0.01, -0.03], 2)
+    assert demo.lm_verdict({"per_cell": [held]}, "100k", "fbt_k2", "e8") == held and demo.held(held)
+    assert demo.lm_verdict({"per_cell": [not_held]}, "100k", "fbt_k2", "e8") == not_held and not demo.held(not_held)
+    assert demo.lm_verdict({"per_cell": [held]}, "100k", "fbt_k2", "e4") is None  # not studied: not run
+    assert demo.lm_verdict(None, "100k", "fbt_k2", "e8") is None
+    rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512, 3.78], k=2)]
+    text = demo.lm_findings(rows, not_held, {"tokens": 100_000, "documents": 22})
+    assert "This is one seed, not a result" in text and "in 2 of 3 seeds" in text
+    assert "-0.0233 on average, -0.0500 to +0.0100" in text
 
 
-def test_progress_is_parsed_from_the_training_log_line():
-    line = format_record(record(1500, 0.3217, valid_loss_fused0=0.3))
-    assert demo.parse_step(line) == {"step": 1500, "loss": 0.3217, "tokens_per_s": 12346}
-    assert demo.parse_step("fbt-megatron: tiny, 108,224 parameters") is None
+def test_a_comparison_left_out_says_why():
+    assert "no shipped result yet (docs/evidence/state_tracking/)" in demo.not_shown("state_tracking", False, "x")
+    held_not = demo.not_shown("compute_for_data", True, "FBT did not end below")
+    assert "in the study behind docs/evidence.md, FBT did not end below (the numbers: docs/evidence/compute_for_data/)" in held_not
 
 
-def test_fused_passes_share_of_the_loss():
-    assert abs(demo.fused_loss_share({1: 0.75, 2: 0.22, 3: 0.03}) - (0.22 / 2 + 0.03 * 2 / 3)) < 1e-12
-    assert demo.fused_loss_share({1: 1.0}) == 0.0
-    assert abs(demo.fused_loss_share({3: 1.0}, pass_weights=(0.5, 0.25, 0.25)) - 0.5) < 1e-12
+def test_a_task_setting_is_kept_only_when_every_run_held():
+    runs = [{"model": "fbt_window8", "held": True, "threads": t} for t in (1, 2)] + [{"model": "fbt", "held": True, "threads": 1},
+                                                                                      {"model": "fbt", "held": False, "threads": 2}]
+    assert demo.task_held({"runs": runs}, "fbt_window8") and not demo.task_held({"runs": runs}, "fbt")
+    assert not demo.task_held({"runs": runs}, "fbt_k4")  # never tried
 
 
-def test_language_model_paragraph_states_direction_size_and_why():
-    runs = [lm_run("baseline", [3.58]), lm_run("FBT", [3.63, 3.97, 4.05, 4.08])]
-    text = demo.lm_findings(runs, {1: 0.75, 2: 0.22, 3: 0.03})
-    assert "3.630, 0.050 worse than the baseline's 3.580" in text
-    assert "rises to 3.970, 4.050, 4.080" in text
-    assert "13% of the training loss" in text
-    assert "from +0.600 at step 100 to +0.300 at step 200, shrinking with training" in text
+def test_compute_for_data_paragraph_quotes_the_runs_and_the_study():
+    rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512, 3.78], k=2), lm_row("baseline", 16, [3.9001], "fbt_k2")]
+    text = demo.lm_findings(rows, verdict([-0.05, -0.02, -0.03], 3), {"tokens": 100_000, "documents": 22})
+    assert "100,000 tokens (22 whole documents" in text
+    assert "the baseline's validation loss is 3.8100 and FBT's (k = 2 passes on every step, decoded without fused passes) 3.7512" in text
+    assert "the baseline given FBT's compute (16 epochs, 1,600,000 compute tokens) ends at 3.9001" in text
+    assert "(3 seeds), FBT ended below the baseline's best final loss at any number of epochs tried in every seed, " \
+           "by 0.0333 on average (0.0200 to 0.0500)" in text
     assert "1B parameters trained on 100B tokens" in text
-    better = demo.lm_findings([lm_run("baseline", [3.7]), lm_run("FBT", [3.6, 3.5])], {1: 0.5, 2: 0.5})
-    assert "0.100 better than the baseline's" in better and "falls to 3.500" in better
 
 
 def task_result(values: dict, train_length=4):
@@ -77,21 +89,21 @@ def test_state_tracking_table_and_paragraph_follow_the_numbers():
 
 
 def test_figure_is_honest():
-    runs = [lm_run("baseline", [3.58]), lm_run("FBT", [3.63, 3.97, 4.05, 4.08])]
-    fig = demo.plot(runs, {"parity": task_results([(1.0, 0.98, 0.95), (1.0, 1.0, 0.97)])}, "/dev/null")
-    curves, bars, accuracy = fig.axes
-    assert bars.get_ylim()[0] == 0  # bar heights compare
-    assert "lower is better" in curves.get_ylabel() and "lower is better" in bars.get_ylabel()
-    assert "higher is better" in accuracy.get_ylabel()
+    rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.75, 3.78], k=2), lm_row("baseline", 16, [3.9], "fbt_k2")]
+    fig = demo.plot(rows, 3.79, {"parity": task_results([(1.0, 0.98, 0.95), (1.0, 1.0, 0.97)])}, "/dev/null")
+    lm, accuracy = fig.axes
+    assert "lower is better" in lm.get_ylabel() and "higher is better" in accuracy.get_ylabel()
+    assert lm.get_xlabel().startswith("compute tokens")  # the comparison is at equal compute
     rgb = lambda c: tuple(round(x, 6) for x in to_rgb(c))  # noqa: E731
-    lines = {line.get_label(): rgb(line.get_color()) for ax in (curves, accuracy) for line in ax.get_lines()}
-    bar_colours = {t.get_text(): rgb(p.get_facecolor()) for t, p in zip(bars.get_xticklabels(), bars.patches)}
-    # the same colour for a model (and number of fused passes) on every panel
-    assert lines["baseline (train, standard pass)"] == lines["baseline (valid)"] == lines["baseline"] == bar_colours["baseline"]
-    assert lines["FBT (valid, 0 fused)"] == lines["FBT, 0 fused"] == bar_colours["FBT\n0 fused"]
-    assert lines["FBT (valid, 3 fused)"] == lines["FBT, 3 fused"] == bar_colours["FBT\n3 fused"]
-    assert len({lines["baseline"], lines["FBT, 0 fused"], lines["FBT, 3 fused"], lines["FBT, full recurrence"]}) == 4
+    lines = {line.get_label(): rgb(line.get_color()) for ax in (lm, accuracy) for line in ax.get_lines()}
+    assert lines["baseline, 8 epochs"] == lines["baseline"]  # the same colour for the baseline on every panel
+    assert len({lines["baseline, 8 epochs"], lines["baseline, 16 epochs (FBT's compute)"], lines["FBT k = 2, 8 epochs"],
+                lines["FBT, full recurrence"]}) == 4
+    assert "baseline's best at any epochs (study, mean of seeds)" in lines
     plt.close(fig)
+    only_tasks = demo.plot([], None, {"parity": task_results([(1.0, 1.0, 1.0)])}, "/dev/null")
+    assert len(only_tasks.axes) == 1  # no compute-for-data panel when it did not hold
+    plt.close(only_tasks)
 
 
 def test_tokenizer_training_names_its_silent_stage_on_a_terminal(tmp_path, monkeypatch):

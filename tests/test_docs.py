@@ -35,7 +35,7 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 LINKED = [ROOT / "recipes" / "README.md", ROOT / "slurm" / "README.md"]  # linked from the docs: links checked
 # Pages linked before their branch is merged (h-vllm, h-evidence): delete a name once its page exists.
-PENDING = {"docs/evidence.md"}
+PENDING = set()
 # Flags of programs whose parser is not in this process (sbatch options quoted from the job script).
 FOREIGN_FLAGS = {"--requeue", "--open-mode", "--signal", "--dependency",  # sbatch's
                  "--no-enable-chunked-prefill", "--hf-overrides", "--enforce-eager"}  # vllm serve's

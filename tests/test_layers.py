@@ -22,8 +22,8 @@ LAYERS = [
      ["fbt", "model", "parallel", "optimizers", "bad_steps", "stages"]),
     ("a run: its data, model and optimizer, step, saver and log; a trained run; the plan",
      ["data.build", "build", "step", "saver", "metrics", "runs", "plan"]),
-    ("what works on runs: generation, conversion, evaluation, the tasks, diagnostics, Slurm",
-     ["generate", "convert", "evaluation", "serving", "tasks", "diagnostics", "slurm"]),
+    ("what works on runs: generation, conversion, evaluation, the tasks, diagnostics, Slurm, studies",
+     ["generate", "convert", "evaluation", "serving", "tasks", "diagnostics", "slurm", "studies"]),
     ("the entry points: training, torchrun for training", ["train", "torchrun"]),
 ]
 

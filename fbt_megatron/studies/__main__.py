@@ -1,0 +1,62 @@
+"""Run a study's grid, or write its tables and plots.
+
+    python -m fbt_megatron.studies plan   recipes/studies/compute_for_data.yaml --grid cut
+    python -m fbt_megatron.studies run    recipes/studies/compute_for_data.yaml --grid cut [--jobs 2 --cpus 2]
+        [--then recipes/studies/state_tracking.yaml:screen]   # one queue over several grids
+    python -m fbt_megatron.studies report recipes/studies/compute_for_data.yaml --grid cut --out docs/evidence/compute_for_data
+
+Runs live under --root (default runs/studies): ROOT/STUDY/DATA/MODEL/LENGTH/seedS-tT, each a run
+folder of the training entry point with its train.log. A finished run is reused, an interrupted one
+resumes; run the same command again to continue a grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fbt_megatron.cli import quiet_library_warnings, run_cli
+from fbt_megatron.studies import study as studies
+from fbt_megatron.studies.grid import load_study
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fbt_megatron.studies", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=("plan", "run", "report"))
+    parser.add_argument("study", help="a study file (recipes/studies/*.yaml)")
+    parser.add_argument("--grid", required=True, action="append", help="which of the study's grids (repeat for several)")
+    parser.add_argument("--then", action="append", default=[], metavar="STUDY:GRID",
+                        help="plan/run: then the runs of this grid of another study file (repeatable), in one queue")
+    parser.add_argument("--root", default="runs/studies", help="where runs and prepared data live (default: runs/studies)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (default: 2)")
+    parser.add_argument("--cpus", type=int, default=2, help="threads all runs together may use (default: 2)")
+    parser.add_argument("--nice", type=int, default=19, help="niceness of the runs (default: 19)")
+    parser.add_argument("--out", help="report: the folder for results.json, runs.csv, table.md, results.png")
+    parser.add_argument("--partial", action="store_true", help="report: the runs done so far")
+    args = parser.parse_args(argv)
+    quiet_library_warnings()
+    study, root = load_study(args.study), Path(args.root).resolve()
+    pairs = [(study, g) for g in args.grid]
+    for spec in args.then:
+        path, sep, grid = spec.rpartition(":")
+        if not sep or not path:
+            raise ValueError(f"--then takes STUDY:GRID, got {spec!r}")
+        pairs.append((load_study(path), grid))
+    if args.command == "plan":
+        print(studies.plan(studies.runs_of_grids(pairs, root, show=True)))
+        return 0
+    if args.command == "run":
+        failed = studies.run(studies.runs_of_grids(pairs, root, show=True), args.jobs, args.cpus, args.nice).failed
+        for run, message in failed:
+            print(f"failed: {run.label}: {message}", file=sys.stderr)
+        return 1 if failed else 0
+    if not args.out or args.then:
+        raise ValueError("report takes one study (no --then) and needs --out FOLDER")
+    written = studies.report(study, args.grid, root, Path(args.out), args.partial)
+    print((Path(args.out) / "table.md").read_text())
+    print(f"wrote {args.out}/results.json, runs.csv, table.md, results.png ({len(written['runs'])} runs)")
+    return 0
+
+if __name__ == "__main__":
+    run_cli(main)

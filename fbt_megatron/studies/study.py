@@ -1,0 +1,97 @@
+"""A study from its file to its results: prepare the data, run the grid, write the tables and plots."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Dict, List
+
+from fbt_megatron.metrics import read_metrics
+from fbt_megatron.studies.grid import RunSpec, Study, expand, subset_tokens_needed
+from fbt_megatron.studies.runner import Runner, is_done
+
+
+def prepare_data(study: Study, grid: str, root: Path, show: bool = True) -> Dict[str, int]:
+    """The corpus and the subsets ``grid`` trains on, prepared if missing; {subset: train tokens}."""
+    from fbt_megatron.data.corpus import ensure_corpus
+    from fbt_megatron.studies.subsets import prepare_subset
+
+    names = subset_tokens_needed(study, grid)
+    if not names:
+        return {}
+    c = study.corpus
+    corpus = study.corpus_folder(root)
+    if show and not (corpus / "corpus.json").is_file():
+        print(f"preparing the corpus {corpus} (once)", flush=True)
+    ensure_corpus(c["source"], str(corpus), vocab_size=c.get("vocab_size", 2048), valid_fraction=c.get("valid_fraction", 0.02),
+                  show_progress=show)
+    tokens = {}
+    for name in names:
+        subset = prepare_subset(str(corpus), str(study.subset_folder(root, name)), study.data[name]["subset_tokens"],
+                                study.data[name].get("order_seed", 0))
+        tokens[name] = subset.tokens["train"]
+        if show:
+            print(f"subset {name}: {subset.documents['train']} documents, {tokens[name]:,} tokens "
+                  f"({study.subset_folder(root, name)})", flush=True)
+    return tokens
+
+
+def runs_of(study: Study, grid: str, root: Path, show: bool = False) -> List[RunSpec]:
+    return expand(study, grid, root, prepare_data(study, grid, root, show))
+
+
+def plan(runs: List[RunSpec]) -> str:
+    """One line per run: done or to run, and its steps and compute."""
+    lines = [f"{'run':<44} {'steps':>7} {'k̄':>5} {'epochs':>7}  state"]
+    for r in runs:
+        epochs = "–" if r.epochs is None else f"{r.epochs:.2f}"
+        logged = read_metrics(r.folder)
+        state = "done" if is_done(r) else f"at step {logged[-1]['step']}" if logged else "to run"
+        lines.append(f"{r.label:<44} {r.steps:>7,} {r.mean_passes:>5.2f} {epochs:>7}  {state}")
+    todo = [r for r in runs if not is_done(r)]
+    work = sum(Runner.work(r) for r in todo)
+    lines.append(f"{len(todo)} of {len(runs)} runs to run: {work:,.0f} plain-step equivalents (steps × k̄)")
+    return "\n".join(lines)
+
+
+def run(runs: List[RunSpec], jobs: int, cpus: int, nice: int, show: bool = True) -> Runner:
+    """Run those of ``runs`` not done yet; returns the runner (``failed``: [(run, message)], ``reused``)."""
+    start = time.time()
+    runner = Runner(runs, jobs, cpus, nice, show)
+    failed = runner.run_all()
+    if show:
+        print(f"{runner.done} of {len(runs)} runs done ({runner.reused} reused), {len(failed)} failed or stopped, "
+              f"in {(time.time() - start) / 60:.1f} min", flush=True)
+    return runner
+
+
+def runs_of_grids(pairs: List[tuple], root: Path, show: bool = False) -> List[RunSpec]:
+    """The runs of several (study, grid) pairs in order, each run once."""
+    runs, seen = [], set()
+    for study, grid in pairs:
+        runs += [r for r in runs_of(study, grid, root, show) if not (r.folder in seen or seen.add(r.folder))]
+    return runs
+
+
+def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool = False) -> dict:
+    """Tables and plots of the finished runs of ``grids`` into ``out``; every run must be done unless ``partial``."""
+    from fbt_megatron.studies import compare, plots, results
+
+    runs = runs_of_grids([(study, g) for g in grids], root)
+    finished = [r for r in runs if is_done(r)]
+    missing = len(runs) - len(finished)
+    name = f"{study.name}/{'+'.join(grids)}"
+    if missing and not partial:
+        raise ValueError(f"{missing} of {len(runs)} runs of {name} are not done; run them first, "
+                         "or --partial for a report of those that are")
+    if not finished:
+        raise ValueError(f"no run of {name} is done yet")
+    title = f"{study.name}, grid {'+'.join(grids)}: {len(finished)} of {len(runs)} runs"
+    written = results.write([results.run_result(r) for r in finished], out, title)
+    plots.plot(written, out / "results.png")
+    if not any("task" in r for r in written["runs"]):
+        rows = compare.comparisons(written["runs"])
+        (out / "summary.md").write_text(compare.summary_markdown(written))
+        (out / "summary.json").write_text(json.dumps({"per_seed": rows, "per_cell": compare.verdicts(rows)}, indent=1) + "\n")
+    return written

@@ -1,0 +1,96 @@
+"""A fixed unique corpus for data-constrained studies: whole documents of a prepared corpus's train
+split, about N tokens of them, tokenized with the corpus's own tokenizer.
+
+The subset is itself a prepared corpus folder (``fbt_megatron.data.corpus``), so a run reads it
+with ``--data-path SUBSET --corpus null``::
+
+    corpus.json                      the corpus's manifest, its train split replaced; "subset" says how
+    tokenizer.model                  a copy of the corpus's tokenizer
+    docs.train.jsonl                 the chosen documents, whole, in the corpus's order
+    train_text_document.bin/.idx     them, tokenized again with that tokenizer (EOD after each)
+    docs.valid.jsonl, valid_text_document.bin/.idx     the corpus's validation split, copied
+
+Documents are taken in an order shuffled by ``order_seed``; a document joins when it keeps the
+subset at most ``tokens`` long (EOD included), so the subset ends a little under ``tokens``. The
+folder is built beside its place and renamed into it; an existing subset is reused when it was made
+the same way, and is an error otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from fbt_megatron.data.corpus import MANIFEST, Corpus, load_corpus
+from fbt_megatron.data.preprocess import preprocess
+
+
+def choose_documents(lengths: list[int], tokens: int, order_seed: int = 0) -> list[int]:
+    """Indices (increasing) of the documents, of these token ``lengths``, that make the subset."""
+    chosen, total = [], 0
+    for i in numpy.random.default_rng(order_seed).permutation(len(lengths)).tolist():
+        if total + lengths[i] <= tokens:
+            chosen.append(i)
+            total += lengths[i]
+    return sorted(chosen)
+
+
+def _manifest(folder: str) -> dict:
+    with open(os.path.join(folder, MANIFEST)) as f:
+        return json.load(f)
+
+
+def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int = 0) -> Corpus:
+    """The subset of about ``tokens`` tokens of ``corpus_folder``'s train split in ``output`` (see
+    the module docstring); its validation split is the corpus's."""
+    if tokens < 1:
+        raise ValueError(f"a subset needs a positive number of tokens, got {tokens}")
+    corpus = load_corpus(corpus_folder)
+    recipe = {"of": os.path.abspath(corpus_folder), "target_tokens": tokens, "order_seed": order_seed}
+    output = os.path.abspath(output)
+    if os.path.exists(output):
+        made = _manifest(output).get("subset", {}) if os.path.isfile(os.path.join(output, MANIFEST)) else {}
+        if {k: made.get(k) for k in recipe} != recipe:
+            raise ValueError(f"{output} holds something else than the subset {recipe}; choose another folder or remove it")
+        return load_corpus(output)
+    documents = IndexedDataset(corpus.train_prefix)  # kept while its memory map is read
+    lengths = documents.sequence_lengths.tolist()  # per document, EOD included
+    del documents
+    chosen = choose_documents(lengths, tokens, order_seed)
+    if not chosen:
+        raise ValueError(f"no document of {corpus_folder}'s train split fits in {tokens} tokens; ask for more")
+    manifest = _manifest(corpus_folder)
+    parent, name = os.path.split(output)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    os.chmod(tmp, 0o755)
+    try:
+        source_docs = os.path.join(corpus_folder, manifest["splits"]["train"]["docs"])
+        keep = set(chosen)
+        with open(source_docs, encoding="utf-8") as f, open(os.path.join(tmp, "docs.train.jsonl"), "w", encoding="utf-8") as out:
+            lines = [line for i, line in enumerate(f) if i in keep]
+            out.writelines(lines)
+        shutil.copyfile(corpus.tokenizer_path, os.path.join(tmp, manifest["tokenizer"]))
+        counts = preprocess([os.path.join(tmp, "docs.train.jsonl")], os.path.join(tmp, manifest["tokenizer"]),
+                            os.path.join(tmp, "train_text_document"), show_progress=False)
+        expected = sum(lengths[i] for i in chosen)
+        if counts != {"documents": len(chosen), "tokens": expected}:  # the corpus's tokenizer, the same documents
+            raise RuntimeError(f"the subset tokenized to {counts}, not the corpus's {len(chosen)} documents of {expected} tokens")
+        valid = manifest["splits"]["valid"]
+        for file in (valid["docs"], valid["prefix"] + ".bin", valid["prefix"] + ".idx"):
+            shutil.copyfile(os.path.join(corpus_folder, file), os.path.join(tmp, file))
+        manifest["splits"]["train"] = {"prefix": "train_text_document", "docs": "docs.train.jsonl", **counts}
+        manifest["subset"] = {**recipe, "documents": [json.loads(line)["name"] for line in lines]}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=2)
+        os.rename(tmp, output)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (isinstance(e, OSError) and os.path.isdir(output)):  # else another process made it first
+            raise
+    return load_corpus(output)

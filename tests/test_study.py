@@ -1,0 +1,232 @@
+"""The study tool (fbt_megatron.studies): subsets of a real corpus, a 2-cell grid of real 4-step runs
+through the training entry point, reuse of finished runs, and tables equal to what the runs logged."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy
+import pytest
+import yaml
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from fbt_megatron.data.corpus import load_corpus
+from fbt_megatron.data.tokenizer import load_tokenizer
+from fbt_megatron.studies import study as studies
+from fbt_megatron.studies.grid import load_study
+from fbt_megatron.studies.subsets import choose_documents, prepare_subset
+
+
+def docs(path):
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+def test_choose_documents_fills_up_to_the_target_with_whole_documents():
+    lengths = [50, 30, 20, 10, 5]
+    chosen = choose_documents(lengths, 60, order_seed=0)
+    assert chosen == sorted(chosen) and sum(lengths[i] for i in chosen) <= 60
+    left = [n for i, n in enumerate(lengths) if i not in chosen]
+    assert all(sum(lengths[i] for i in chosen) + n > 60 for n in left)  # nothing else fits
+    assert choose_documents(lengths, 4) == []
+
+
+def test_subset_keeps_documents_whole_and_uses_the_corpus_tokenizer(small_corpus, tmp_path):
+    folder = Path(small_corpus.train_prefix).parent
+    subset = prepare_subset(str(folder), str(tmp_path / "sub"), 20_000)
+    source = {d["name"]: d["text"] for d in docs(folder / "docs.train.jsonl")}
+    chosen = docs(tmp_path / "sub" / "docs.train.jsonl")
+    assert 1 <= len(chosen) < len(source)
+    assert all(source[d["name"]] == d["text"] for d in chosen)  # whole documents of the train split
+    manifest = json.loads((tmp_path / "sub" / "corpus.json").read_text())
+    assert manifest["subset"]["documents"] == [d["name"] for d in chosen]
+    # token counts: each document tokenized by the corpus's tokenizer, EOD after it
+    tokenizer = load_tokenizer(small_corpus.tokenizer_path)
+    expected = [tokenizer.tokenize(d["text"]) + [tokenizer.eod] for d in chosen]
+    written = IndexedDataset(subset.train_prefix)
+    assert [written[i].tolist() for i in range(len(written))] == expected
+    assert subset.tokens["train"] == sum(map(len, expected)) <= 20_000
+    assert subset.documents["train"] == len(chosen)
+    # the same tokens as those documents in the corpus's own tokenized train split
+    whole = IndexedDataset(small_corpus.train_prefix)
+    order = [d["name"] for d in docs(folder / "docs.train.jsonl")]
+    assert all(numpy.array_equal(whole[order.index(d["name"])], written[i]) for i, d in enumerate(chosen))
+    # nothing else fits: every document left out would pass the target
+    left = [len(tokenizer.tokenize(t)) + 1 for n, t in source.items() if n not in {d["name"] for d in chosen}]
+    assert all(subset.tokens["train"] + n > 20_000 for n in left)
+    # validation is the corpus's own split, byte for byte
+    for ext in (".bin", ".idx"):
+        assert Path(subset.valid_prefix + ext).read_bytes() == Path(small_corpus.valid_prefix + ext).read_bytes()
+    assert prepare_subset(str(folder), str(tmp_path / "sub"), 20_000) == subset  # reused
+    with pytest.raises(ValueError, match="holds something else"):
+        prepare_subset(str(folder), str(tmp_path / "sub"), 10_000)
+
+
+def write_study(path: Path, source: str, corpus: Path) -> Path:
+    study = {
+        "name": "mini",
+        "corpus": {"source": source, "path": str(corpus), "vocab_size": 512, "valid_fraction": 0.1},
+        "data": {"sub": {"subset_tokens": 20_000}},
+        "models": {"baseline": {"recipe": "recipes/tiny_cpu_baseline.yaml"},
+                   "fbt_k2": {"recipe": "recipes/tiny_cpu.yaml", "flags": {"passes": 2, "pass-phases": None}}},
+        "flags": {"eval-iters": 1, "log-interval": 1, "tensorboard": False, "fused-prefill-passes": 1},
+        "validations": 2,
+        "grids": {"two": {"seeds": [5], "cells": [{"data": ["sub"], "models": ["baseline", "fbt_k2"], "steps": [4]}]}},
+    }
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+@pytest.fixture(scope="module")
+def grid(small_corpus, tmp_path_factory):
+    """A 2-cell grid (baseline, FBT k = 2) of 4-step runs on a subset, run through the entry point."""
+    tmp = tmp_path_factory.mktemp("study")
+    corpus = tmp / "corpus"
+    shutil.copytree(Path(small_corpus.train_prefix).parent, corpus)
+    study = load_study(write_study(tmp / "mini.yaml", small_corpus.source, corpus))
+    runner = studies.run(studies.runs_of(study, "two", tmp / "root"), jobs=2, cpus=2, nice=0, show=False)
+    assert runner.failed == [] and runner.reused == 0
+    return study, tmp
+
+
+@pytest.mark.slow
+def test_a_grid_runs_through_the_entry_point_and_is_reused(grid):
+    study, tmp = grid
+    runs = studies.runs_of(study, "two", tmp / "root")
+    assert [(r.model, r.steps, r.seed) for r in runs] == [("baseline", 4, 5), ("fbt_k2", 4, 5)]
+    for r in runs:
+        log = (r.folder / "train.log").read_text()
+        assert "-m fbt_megatron.train" in log and f"--data-path {tmp / 'root' / 'data' / 'mini-sub'}" in log
+        assert "trained to step 4" in log
+    logs = {r.folder: (r.folder / "train.log").stat().st_mtime_ns for r in runs}
+    again = studies.run(runs, jobs=2, cpus=2, nice=0, show=False)
+    assert again.failed == [] and again.reused == 2
+    assert logs == {r.folder: (r.folder / "train.log").stat().st_mtime_ns for r in runs}  # nothing ran
+    # a run stopped after its last checkpoint, before done.json, is finished without training again
+    (runs[0].folder / "done.json").unlink()
+    resumed = studies.run(runs, jobs=2, cpus=2, nice=0, show=False)
+    assert resumed.failed == [] and resumed.reused == 1 and (runs[0].folder / "done.json").is_file()
+    assert logs == {r.folder: (r.folder / "train.log").stat().st_mtime_ns for r in runs}
+    # a folder made by another command is never taken over
+    other = load_study(write_study(tmp / "other.yaml", study.corpus["source"], tmp / "corpus"))
+    other.flags["eval-iters"] = 2
+    failed = studies.run(studies.runs_of(other, "two", tmp / "root"), jobs=2, cpus=2, nice=0, show=False).failed
+    assert len(failed) == 2 and all("holds a run of another command" in message for _, message in failed)
+
+
+@pytest.mark.slow
+def test_the_table_equals_the_logged_values(grid):
+    study, tmp = grid
+    results = studies.report(study, ["two"], tmp / "root", tmp / "report")
+    runs = studies.runs_of(study, "two", tmp / "root")
+    table = (tmp / "report" / "table.md").read_text()
+    assert (tmp / "report" / "results.png").stat().st_size > 0
+    for run, row in zip(runs, results["runs"]):
+        logged = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in logged if "valid_loss_fused0" in r]
+        assert [r["step"] for r in evals] == [2, 4]  # validations: 2 per run, on logged steps
+        final = [evals[-1][f"valid_loss_fused{j}"] for j in range(2 if run.model == "fbt_k2" else 1)]
+        assert row["valid"] == final
+        assert row["best_valid"] == min(r["valid_loss_fused0"] for r in evals)
+        assert (row["tokens"], row["compute_tokens"]) == (logged[-1]["tokens"], logged[-1]["compute_tokens"])
+        assert row["compute_tokens"] == (2 if run.model == "fbt_k2" else 1) * row["tokens"] and row["tokens"] == 4 * 16 * 128
+        line = next(line for line in table.splitlines() if f"| {run.model} |" in line)
+        assert all(f"{v:.4f}" in line for v in final)
+    csv_lines = (tmp / "report" / "runs.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and csv_lines[0].startswith("data,model,length,seed")
+
+
+# ---------------------------------------------------------------- the documents quote only measured numbers
+ROOT = Path(__file__).resolve().parent.parent
+EVIDENCE = ROOT / "docs" / "evidence"
+VERSION = re.compile(r"(?:Python|torch|megatron-core|transformers|lm-eval|vLLM|vllm|CUDA|sentencepiece)\s+v?\d+(?:\.\d+)+")
+NUMBER = re.compile(r"(?<![\w.])[-−]?\d+\.\d{2,}(?![\w.])")  # with its sign: a difference's sign is checked too
+
+
+def numbers_in(value):
+    """Every number in a JSON value."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from numbers_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from numbers_in(v)
+
+
+def settings():
+    """Numbers written in the recipes and study files (settings, not measurements)."""
+    return {value(n) for path in (ROOT / "recipes").rglob("*.yaml") for n in NUMBER.findall(path.read_text())}
+
+
+def value(quoted: str) -> float:
+    return float(quoted.replace("−", "-"))
+
+
+def unmeasured(text: str, measured: list, allowed: set) -> list:
+    """Decimals (2 or more places) in ``text`` that no measured value rounds to, outside settings and versions."""
+    out = []
+    for quoted in NUMBER.findall(VERSION.sub("", text)):
+        places = len(quoted.split(".")[1])
+        if value(quoted) in allowed:
+            continue
+        if not any(round(v, places) == value(quoted) for v in measured):
+            out.append(quoted)
+    return out
+
+
+def test_evidence_and_readme_quote_only_measured_numbers():
+    from fbt_megatron.studies import compare, results
+
+    measured = []
+    for path in EVIDENCE.rglob("*.json"):
+        measured += list(numbers_in(json.loads(path.read_text())))
+    shipped_tables = "".join(p.read_text() for p in EVIDENCE.rglob("*.md"))
+    for path in EVIDENCE.rglob("results.json"):  # the shipped summaries are what the tool writes from the results
+        summary = path.parent / "summary.md"
+        if summary.exists():
+            assert compare.summary_markdown(json.loads(path.read_text())) == summary.read_text(), summary
+    allowed = settings() | {results.HELD}  # the threshold a task run must reach to hold
+    for doc in (ROOT / "docs" / "evidence.md", ROOT / "README.md"):
+        text = doc.read_text()
+        assert unmeasured(text, measured, allowed) == [], f"{doc.name} quotes numbers no result file holds"
+        rows = [line for line in text.splitlines() if line.startswith("|") and NUMBER.search(VERSION.sub("", line))]
+        missing = [line for line in rows if line not in shipped_tables]
+        assert missing == [], f"{doc.name}: table rows not in the shipped tables (docs/evidence/*/*.md): {missing[:2]}"
+
+
+def test_the_number_check_catches_a_number_no_run_produced():
+    assert unmeasured("valid loss 3.6944 (3.69–3.70), Python 3.11, lr 0.75", [3.69441, 3.6899, 3.7012], {0.75}) == []
+    assert unmeasured("FBT reaches 3.512", [3.6944], set()) == ["3.512"]
+    assert unmeasured("FBT minus the baseline: −0.0276 (-0.0300–-0.0276)", [-0.02757, -0.03], set()) == []
+    assert unmeasured("FBT is lower by 0.0276", [-0.02757], set()) == ["0.0276"]  # the sign is checked
+
+
+def fake_run(model, epochs, seed, valid, best=None, compute_of=None, k=1):
+    tokens = int(epochs * 100_000)
+    return {"data": "100k", "model": model, "length": f"e{epochs:g}", "seed": seed, "threads": 1, "steps": tokens // 2048,
+            "epochs": epochs, "compute_of": compute_of, "tokens": tokens, "compute_tokens": k * tokens,
+            "valid": valid, "best_valid": best if best is not None else valid[0]}
+
+
+def test_the_comparison_finds_the_baselines_frontier_per_seed():
+    from fbt_megatron.studies import compare
+
+    runs = []
+    for seed, shift in ((1, 0.0), (2, 0.01)):
+        runs += [fake_run("baseline", 4, seed, [3.9 + shift]), fake_run("baseline", 8, seed, [3.8 + shift], best=3.75 + shift),
+                 fake_run("baseline", 16, seed, [3.85 + shift], compute_of="fbt_k2"),
+                 fake_run("fbt_k2", 8, seed, [3.7 + 2 * shift, 3.72 + 5 * shift], k=2)]
+    rows = compare.comparisons(runs)
+    assert [(r["seed"], round(r["frontier"], 9), r["frontier_run"], round(r["frontier_anywhere"], 9)) for r in rows] == \
+        [(1, 3.8, "e8", 3.75), (2, 3.81, "e8", 3.76)]
+    assert [(round(r["baseline_same_epochs"], 9), round(r["baseline_equal_compute"], 9)) for r in rows] == [(3.8, 3.85), (3.81, 3.86)]
+    (v,) = compare.verdicts(rows)
+    assert v["fused0_below_frontier"] == 2 and v["fused0_below_anywhere"] == 2 and v["fused1_below_anywhere"] == 1
+    assert abs(v["fused0_minus_frontier"]["mean"] - (-0.1 + -0.09) / 2) < 1e-12
+    text = compare.summary_markdown({"runs": runs})
+    assert "| 100k | fbt_k2 e8 | 1 | 1,600,000 | 3.7000 | 3.7200 | 3.8000 | 3.8500 | 3.8000 (e8) | 3.7500 |" in text
+    assert "| 100k | fbt_k2 e8 | 0 fused | -0.0950 (-0.1000–-0.0900) | -0.1450 (-0.1500–-0.1400) | -0.0950 (-0.1000–-0.0900) | 2/2 | 2/2 |" in text
