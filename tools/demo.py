@@ -1,4 +1,4 @@
-"""The CPU main job: what latent feedback does at micro scale, in about 11 minutes on 2 cores.
+"""The CPU main job: what latent feedback does at micro scale, set against the studies' verdicts.
 
 Two comparisons of a baseline and FBT, each the small ``demo`` grid of a study behind
 ``docs/evidence.md`` (the shipped results in ``docs/evidence/<study>/``):
@@ -16,7 +16,7 @@ Runs go through the training entry point 2 at a time, 1 thread each (``fbt_megat
 finished runs are reused, interrupted ones resume. Results: ``<output>/results.md`` (tables, and a
 paragraph per comparison written from the numbers) and ``<output>/results.png``.
 
-    python tools/demo.py                  # about 11 minutes on 2 cores
+    python tools/demo.py                  # one seed of each comparison (three runs now)
     python tools/demo.py --full           # the studies' grids behind docs/evidence.md (hours)
 """
 
