@@ -26,18 +26,20 @@ def run_cli(main: Callable[[], int | None]) -> NoReturn:
     started (training, conversion, loading a run) is destroyed. A ValueError or FileNotFoundError
     (bad input: a missing file, a malformed line, a bad flag value) becomes ``error: <message>`` on
     stderr and exit code 2, without a traceback. Under torchrun/srun every rank finds the same bad
-    input; only rank 0 says so."""
+    input; only rank 0 says so. A process group that was there before (a caller's) is left as it is."""
+    started_here = not _process_group()
     try:
         code = main()
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0":
             print("error: " + " ".join(str(e).split()), file=sys.stderr)
         sys.exit(2)
-    _destroy_process_group()
+    if started_here and _process_group():
+        sys.modules["torch.distributed"].destroy_process_group()
     sys.exit(code)
 
 
-def _destroy_process_group() -> None:
-    distributed = sys.modules.get("torch.distributed")  # only a command that imported torch can have started one
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        distributed.destroy_process_group()
+def _process_group() -> bool:
+    """Whether a torch.distributed process group exists (only a command that imported torch can have one)."""
+    distributed = sys.modules.get("torch.distributed")
+    return distributed is not None and distributed.is_available() and distributed.is_initialized()

@@ -170,8 +170,11 @@ def test_plain_lm_eval_hf_runs_on_the_export_and_fbt_standard_matches_it(fbt_lm,
     hf = json.loads(result_file.read_text())["results"]
 
     evaluator = ExportEvaluator(str(export), lm=fbt_lm)
-    rows = {mode: table_row(evaluator.evaluate(mode, tasks, limit=LIMIT)) for mode in ("standard", "soft", "fused(1)")}
-    assert rows["standard"] == pytest.approx(table_row(hf), rel=1e-5)
+    def measured(row):  # the columns of the tasks run here (the table's other tasks are None)
+        return {column: value for column, value in row.items() if value is not None}
+
+    rows = {mode: measured(table_row(evaluator.evaluate(mode, tasks, limit=LIMIT))) for mode in ("standard", "soft", "fused(1)")}
+    assert len(rows["standard"]) >= 4 and rows["standard"] == pytest.approx(measured(table_row(hf)), rel=1e-5)
     for mode in ("soft", "fused(1)"):
         assert all(math.isfinite(v) for v in rows[mode].values())
         assert rows[mode]["bits_per_byte"] != pytest.approx(rows["standard"]["bits_per_byte"], rel=1e-6)
