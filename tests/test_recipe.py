@@ -55,7 +55,7 @@ def test_megatron_flag_overrides_are_typed(tmp_path):
         ("training:\n  micro_batch_size: 3\n  global_batch_size: 16\n", "not a multiple of micro_batch_size 3"),
         ("data:\n  data_path: null\n  train_data_path: [x]\n", "data.train_data_path needs data.tokenizer_model"),
         ("data:\n  data_path: null\n", "data: set data_path"),
-        ("[unclosed\n", "is not valid YAML"),
+        ("[unclosed\n", ".yaml:2:1: not valid YAML: expected ',' or ']'"),  # PyYAML's line and column kept
     ],
 )
 def test_bad_recipes_name_the_problem(tmp_path, text, message):
