@@ -156,7 +156,7 @@ def test_state_tracking_trains_and_evaluates_through_the_entry_points(tmp_path):
 
     bad = {
         "unknown task": ((unknown_code, unknown_text), "unknown state-tracking task 'nope'"),
-        "another recipe's run": (refused[0], "is of model"),
+        "another recipe's run": (refused[0], "is of another model"),
         "no run": (refused[1], "--load RUN"),
     }
     for name, ((code, text), message) in bad.items():

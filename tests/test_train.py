@@ -85,7 +85,7 @@ def test_bad_inputs_stop_with_one_line_and_damage_nothing(tmp_path, small_corpus
         "parallel sizes vs world": (["--tensor-model-parallel-size", "2"], "does not divide the world size 1"),
         "offloading without recompute": (["--offload-recompute-inputs", "true"], "offload_recompute_inputs moves"),
         "checkpoint of another model": (["--load", str(run), "--num-layers", "2", "--train-iters", "6"],
-                                        "is of model"),
+                                        "is of another model: num_layers 4 → 2"),
         "malicious checkpoint": (["--load", str(broken)], "refusing to load os.system"),
         "no such run folder": (["--load", str(tmp_path / "nope")], "no such run folder"),
         "finished run": (["--load", str(run), "--train-iters", "3"], "not before --train-iters 3"),
