@@ -136,12 +136,17 @@ class FBTFeedbackFusion(nn.Module):
         self.gate_proj = ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.gate_proj")
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
 
-    def forward(self, carried: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    def gate(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """sigmoid(W_G e): depends on the tokens only, so a multi-pass step computes it once."""
+        return torch.sigmoid(self.gate_proj(embeddings)[0])
+
+    def fuse(self, carried: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         up, _ = self.up_proj(carried)
-        gate, _ = self.gate_proj(embeddings)
         # torch's fused RMSNorm: one kernel where vLLM's native CPU path runs six (decode steps are op-bound)
-        return nn.functional.rms_norm(up * torch.sigmoid(gate), self.norm.weight.shape, self.norm.weight,
-                                      self.norm.variance_epsilon)
+        return nn.functional.rms_norm(up * gate, self.norm.weight.shape, self.norm.weight, self.norm.variance_epsilon)
+
+    def forward(self, carried: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.fuse(carried, self.gate(embeddings))
 
 
 class FBTModel(nn.Module):
@@ -208,10 +213,13 @@ class FBTForCausalLM(nn.Module):
                 x = fusion(carried, e)
             else:
                 x = torch.cat([torch.where(state.token_reads[:n], fusion(carried, e[:n]), e[:n]), e[n:]])
+        if plan.passes > 1:  # the fused tokens' gates, once for all passes
+            gates = fusion.gate(e.index_select(0, plan.fuse_index))
         for j in range(1, plan.passes + 1):
             if j > 1:  # u_t = fuse(s^{(j-1)}_{t-1}, e_t) where the plan still fuses at pass j
-                index = plan.fuse_index[plan.fuse_until >= j]
-                x = x.index_copy(0, index, fusion(top[index - 1], e[index]))
+                keep = plan.fuse_until >= j
+                index = plan.fuse_index[keep]
+                x = x.index_copy(0, index, fusion.fuse(top.index_select(0, index - 1), gates[keep]))
             hidden, normed = self.model.stack(positions, x)
             top = self.model.top_state(hidden, normed)
         state.write_back(top)

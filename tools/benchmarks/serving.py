@@ -30,7 +30,7 @@ from .report import format_report as report
 
 FLAG = "--serving"
 HELP = "measure serving with vLLM instead: soft / standard decode, fused(n) / standard prefill, vLLM / HF generate"
-DEFAULTS = dict(preset="tiny", micro_batch_size=16, repeats=3, warmup=1, prompt_length=32, new_tokens=64)
+DEFAULTS = dict(preset="tiny", micro_batch_size=16, repeats=7, warmup=1, prompt_length=32, new_tokens=64)
 
 # the shape with --preset tiny: the step benchmark's (head_dim 64: vLLM's CPU attention takes 32, 64, 80, …)
 TINY_SHAPE = dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4, num_query_groups=2,
