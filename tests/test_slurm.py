@@ -272,7 +272,8 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
     assert name == "serve-export"
     for line in ["#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --time=08:00:00", "#SBATCH --partition=gpu",
                  "#SBATCH --gpus-per-node=1", "#SBATCH --cpus-per-task=8", f"#SBATCH --output={tmp}/logs/serve-export-%j.out",
-                 f'"${{CONTAINER[@]}}" vllm serve {data["export"]} \\\n    --host 0.0.0.0 --port 8100 --max-model-len 512',
+                 f'"${{CONTAINER[@]}}" vllm serve {data["export"]} \\\n    --host 0.0.0.0 --port 8100 --enforce-eager --max-model-len 512',
+                 "export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0}",
                  f"serves {data['export']} at http://$(hostname):8100/v1", "export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}"]:
         assert line in serve, line
     code, output = cases["evaluate"]
@@ -280,6 +281,7 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
     [evaluate] = scripts(output).values()
     assert (f"tools/eval.py {data['export']} \\\n    --cache {tmp}/eval/exports --output {tmp}/eval/x.md --backend vllm "
             "--modes standard") in evaluate and "#SBATCH --gpus-per-node=1" in evaluate
+    assert "export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0}" in evaluate
     code, output = cases["serve placeholder"]
     lines = output.splitlines()
     assert code == 2 and lines[0] == "error: export /path/to/export is a placeholder: give an export folder", output

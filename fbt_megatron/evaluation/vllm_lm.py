@@ -16,6 +16,7 @@ Chunked prefill is off (fused(n) needs the whole prompt in one step).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from fbt_megatron.evaluation.env import offline_environment
@@ -42,6 +43,7 @@ class FBTVLLM(VLLM):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("enforce_eager", True)
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the plugin hooks the V1 runner (GPU default: V2)
         kwargs.pop("trust_remote_code", None)  # the plugin registers the export's code
         super().__init__(pretrained, **kwargs)
         if self.decode_mode != "standard" and not getattr(self._config, "latent_feedback", False):
