@@ -27,10 +27,10 @@ def test_the_data_constrained_comparison_quotes_whether_it_held_in_every_seed():
     assert demo.lm_verdict({"per_cell": [not_held]}, "100k", "fbt_k2", "e8") == not_held and not demo.held(not_held)
     assert demo.lm_verdict({"per_cell": [held]}, "100k", "fbt_k2", "e4") is None  # not studied: not run
     assert demo.lm_verdict(None, "100k", "fbt_k2", "e8") is None
-    rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512, 3.78], k=2)]
-    text = demo.lm_findings(rows, not_held, {"tokens": 100_000, "documents": 22})
-    assert "This is one seed, not a result" in text and "in 2 of 3 seeds" in text
-    assert "-0.0233 on average, -0.0500 to +0.0100" in text
+    text = demo.lm_left_out(not_held)  # not run: one line with the study's numbers instead
+    assert text.startswith("Not shown: in the study behind docs/evidence.md, FBT (fbt_k2, e8) ended below the baseline's best")
+    assert "in 2 of 3 seeds (FBT minus that best: -0.0233 on average, -0.0500 to +0.0100)" in text
+    assert "the study's answer on 100k tokens is no" in text and "(the numbers: docs/evidence/compute_for_data/)" in text
 
 
 def test_a_comparison_left_out_says_why():
