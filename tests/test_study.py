@@ -230,3 +230,19 @@ def test_the_comparison_finds_the_baselines_frontier_per_seed():
     text = compare.summary_markdown({"runs": runs})
     assert "| 100k | fbt_k2 e8 | 1 | 1,600,000 | 3.7000 | 3.7200 | 3.8000 | 3.8500 | 3.8000 (e8) | 3.7500 |" in text
     assert "| 100k | fbt_k2 e8 | 0 fused | -0.0950 (-0.1000–-0.0900) | -0.1450 (-0.1500–-0.1400) | -0.0950 (-0.1000–-0.0900) | 2/2 | 2/2 |" in text
+
+
+def test_the_seed_table_shows_each_runs_lowest_bucket_and_whether_it_held():
+    from fbt_megatron.studies.results import task_seed_table
+
+    def row(model, seed, accuracy, threads=1):
+        return {"data": "parity", "model": model, "length": "s1500", "seed": seed, "threads": threads,
+                "task": {"accuracy": accuracy}}
+
+    full = lambda *v: {"0 fused": {"1x": 0.7, "2x": 0.5, "4x": 0.5}, "full recurrence": dict(zip(("1x", "2x", "4x"), v))}  # noqa: E731
+    rows = [row("fbt", 1, full(1.0, 0.96, 0.95)), row("fbt", 2, full(0.99, 0.94971, 0.97)),
+            row("fbt", 3, full(1.0, 1.0, 1.0), threads=2), row("baseline", 1, {"0 fused": {"1x": 0.9, "2x": 0.52, "4x": 0.49}})]
+    lines = task_seed_table(rows).splitlines()
+    assert "| parity | fbt | s1500 | 1 | full recurrence | 0.9500 ✓ | 0.9497 | – |" in lines  # held at exactly 0.95, not just below
+    assert "| parity | fbt | s1500 | 2 | full recurrence | – | – | 1.0000 ✓ |" in lines
+    assert "| parity | baseline | s1500 | 1 | 0 fused | 0.4900 | – | – |" in lines

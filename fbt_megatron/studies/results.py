@@ -115,6 +115,23 @@ def task_table(cells: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def task_seed_table(rows: List[dict]) -> str:
+    """Every seed of every task cell: the lowest bucket accuracy of the full recurrence (FBT; the
+    plain model for a baseline), the number that decides whether a run held."""
+    groups: Dict[tuple, Dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        accuracy = r["task"]["accuracy"]
+        mode = "full recurrence" if "full recurrence" in accuracy else "0 fused"
+        groups[(r["data"], r["model"], r["length"], r["threads"], mode)][r["seed"]] = min(accuracy[mode].values())
+    seeds = sorted({seed for values in groups.values() for seed in values})
+    head = ["data", "model", "run", "threads", "mode", *[f"seed {s}" for s in seeds]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, values in groups.items():
+        cells = [f"{values[s]:.4f}" + (" ✓" if values[s] >= HELD else "") if s in values else "–" for s in seeds]
+        lines.append("| " + " | ".join([*map(str, key), *cells]) + " |")
+    return (f"Lowest accuracy over the position buckets, per seed (✓: ≥ {HELD}, the run held):\n\n" + "\n".join(lines))
+
+
 def wall_time(rows: List[dict]) -> dict:
     """Seconds of all runs together, and from the first start to the last end (from done.json)."""
     import datetime
@@ -144,7 +161,8 @@ def write(rows: List[dict], out: Path, title: str) -> dict:
         for r in rows:
             writer.writerow([r[k] for k in CSV_FIELDS] + r["valid"] + [None] * (passes - len(r["valid"]))
                             + ([r["held"]] if "held" in r else []))
-    tables = [lm_table(cells)] + ([task_table(cells)] if any("accuracy" in c for c in cells) else [])
+    tasks = any("accuracy" in c for c in cells)
+    tables = [lm_table(cells)] + ([task_table(cells), task_seed_table(rows)] if tasks else [])
     w = results["wall"]
     note = (f"Wall time: {w['span_s'] / 3600:.1f} h from the first run's start to the last run's end "
             f"({w['runs_s'] / 3600:.1f} h of runs added up; a resumed run counts from its last start)." if w else "")
