@@ -11,8 +11,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 .PHONY: setup demo test
 setup: $(VENV)/.installed
 
-# baselines against FBT models on CPU, one seed each, set against the verdicts of docs/evidence.md
-# (state tracking only where it held in every seed); the studies' grids behind it: make demo DEMO_ARGS=--full
+# baselines against FBT models on CPU: the comparisons of docs/evidence.md that held in every seed of
+# their study (the others: one line with the study's numbers); the studies' grids: make demo DEMO_ARGS=--full
 demo: setup
 	$(ACT) python tools/demo.py $(DEMO_ARGS)
 
