@@ -124,3 +124,14 @@ def test_tokenizer_training_names_its_silent_stage_on_a_terminal(tmp_path, monke
     train_tokenizer([source], str(tmp_path / "t.model"), 400)
     shown = sys.stderr.getvalue()
     assert "tokenizer: learning 400 BPE pieces from" in shown and shown.rstrip().endswith(tuple("0123456789"))
+
+
+def test_with_no_comparison_held_the_one_fbt_run_is_plotted_alone():
+    fig = demo.plot([lm_row("fbt_k2", 8, [3.75, 3.78], k=2)], None, {}, "/dev/null")
+    [ax] = fig.axes
+    assert "no comparison" in ax.get_title()
+    assert {line.get_label() for line in ax.get_lines()} == {"FBT k = 2, 8 epochs, 0 fused", "FBT k = 2, 8 epochs, 1 fused"}
+    plt.close(fig)
+    text = demo.run_findings(lm_row("fbt_k2", 8, [3.7512, 3.7801], k=2), {"tokens": 100_000, "documents": 22})
+    assert "No comparison of docs/evidence.md held in every seed" in text and "not a result" in text
+    assert "validation loss 3.7512 after 0 fused prefill passes and 3.7801 after 1 fused prefill pass" in text

@@ -12,11 +12,15 @@ Two comparisons of a baseline and FBT, each the small ``demo`` grid of a study b
     accuracy by position up to 4× that, of the baseline and of FBT's full recurrence, over 3 seeds;
     run only for FBT settings that held in every seed and thread count of the study.
 
+When no comparison held in every seed, the demo trains the FBT run of the compute-for-data ``demo``
+grid alone and shows its validation losses and one prompt decoded in each mode (standard, soft,
+fused(1)): the method at work, no comparison.
+
 Runs go through the training entry point 2 at a time, 1 thread each (``fbt_megatron.studies``);
 finished runs are reused, interrupted ones resume. Results: ``<output>/results.md`` (tables, and a
 paragraph per comparison written from the numbers) and ``<output>/results.png``.
 
-    python tools/demo.py                  # one seed of each comparison (three runs now)
+    python tools/demo.py                  # the comparisons that held (none now: one FBT run instead)
     python tools/demo.py --full           # the studies' grids behind docs/evidence.md (hours)
 """
 
@@ -105,6 +109,38 @@ def lm_findings(rows: List[dict], verdict: dict, subset: dict) -> str:
     text += (f" This is a micro-scale run of the paper's trade (compute spent as passes on a fixed corpus); the "
              f"paper's claims are for {PAPER}.")
     return text
+
+
+PROMPT = 'def read_config(path):\n    """'
+SAMPLE_MODES = [("standard", 0), ("soft", 0), ("fused", 1)]
+
+
+def samples(folder: Path, new_tokens: int = 48) -> str:
+    """The run's greedy continuation of PROMPT in each decoding mode, as a markdown block."""
+    from fbt_megatron.generate import generate
+    from fbt_megatron.runs import load_run
+
+    run = load_run(str(folder))
+    prompt = run.tokenizer.tokenize(PROMPT)
+    blocks = []
+    for mode, passes in SAMPLE_MODES:
+        out = generate(run.model, [prompt], mode=mode, fused_passes=passes, max_new_tokens=new_tokens,
+                       vocab_size=run.tokenizer.vocab_size).tokens[0]
+        name = f"fused({passes})" if mode == "fused" else mode
+        blocks.append(f"{name}:\n\n```python\n{run.tokenizer.detokenize(prompt + out)}\n```")
+    return "\n\n".join(blocks)
+
+
+def run_findings(row: dict, subset: dict) -> str:
+    """The paragraph of the demo's one FBT run, shown when no comparison held in every seed."""
+    valid = " and ".join(f"{v:.4f} after {j} fused prefill pass{'es' if j != 1 else ''}" for j, v in enumerate(row["valid"]))
+    return (f"**One FBT run, no comparison.** No comparison of docs/evidence.md held in every seed of its study, so "
+            f"the demo trains one FBT model (k = 2 passes on every step) through the training entry point on "
+            f"{subset['tokens']:,} tokens ({subset['documents']} whole documents of the stdlib training split) for "
+            f"{row['epochs']:g} epochs ({row['steps']:,} steps, {row['compute_tokens']:,} compute tokens): validation loss "
+            f"{valid}. It shows the method at work, not a result. The same prompt, decoded greedily in each mode "
+            f"(standard: tokens only; soft: each generated token fused with the previous position's state; fused(1): one "
+            f"more fused pass over the prompt first):")
 
 
 # ---------------------------------------------------------------- state tracking: numbers and words
@@ -212,16 +248,19 @@ def plot(lm_rows: List[dict], frontier: Optional[float], tasks: Dict[str, Dict[s
     axes = list(axes[0])
     if lm_rows:
         ax = axes.pop(0)
+        compared = any(row["model"].startswith("baseline") for row in lm_rows)
         for row in lm_rows:
             name = "baseline at FBT's compute" if row["compute_of"] else row["model"]
             curve = row["curve"]
-            ax.plot([p["compute_tokens"] for p in curve], [p["valid"][0] for p in curve], "o-",
-                    color=color(name, "0 fused"), label=lm_label(row))
+            for j in range(1 if compared else len(row["valid"])):  # alone: after each number of fused passes
+                ax.plot([p["compute_tokens"] for p in curve], [p["valid"][j] for p in curve], "o-",
+                        color=color(name, f"{j} fused"), label=lm_label(row) + (f", {j} fused" if not compared else ""))
         if frontier is not None:
             ax.axhline(frontier, color="tab:blue", ls=":", lw=1, label="baseline's best at any epochs (study, mean of seeds)")
         ax.set_xscale("log")
         ax.set(xlabel="compute tokens (tokens × passes)", ylabel="validation loss (lower is better)",
-               title="compute for data: a fixed corpus, more epochs or more passes")
+               title="compute for data: a fixed corpus, more epochs or more passes" if compared
+               else "one FBT run on a fixed corpus (no comparison)")
         ax.legend(fontsize=7)
     for ax, (task, results) in zip(axes, tasks.items()):
         first = results["FBT"][0]
@@ -292,6 +331,10 @@ def main(argv=None) -> int:
     if all(m.startswith("baseline") for c in task.grids["demo"]["cells"] for m in c["models"]):
         task.grids["demo"]["cells"] = []  # no FBT setting held in every seed: nothing to compare
     pairs = [(s, "demo") for s in (lm, task) if s.grids["demo"]["cells"]]
+    alone = not pairs and verdict is not None  # nothing held anywhere: one FBT run of the study, no comparison
+    if alone:
+        kept_grid(lm, "demo", lambda m: not m.startswith("baseline"))
+        pairs = [(lm, "demo")]
     runs = studies.runs_of_grids(pairs, out, show=True)
     print(f"{len(runs)} runs, {args.jobs} at a time with 1 thread each; logs in each run's train.log", flush=True)
     failed = studies.run(runs, args.jobs, args.jobs, args.nice).failed
@@ -308,6 +351,12 @@ def main(argv=None) -> int:
                      lm_findings(lm_rows, verdict, subset)]
     else:
         sections += ["## Compute for data", lm_left_out(verdict) if verdict else not_shown(LM, False, "")]
+    if alone:
+        lm_rows = [study_results.run_result(r) for r in runs if r.study == LM]
+        subset = json.loads((lm.subset_folder(out, lm_rows[0]["data"]) / "corpus.json").read_text())["splits"]["train"]
+        folder = next(r.folder for r in runs if r.study == LM)
+        sections += ["## One FBT run", study_results.lm_table(study_results.cell_results(lm_rows)),
+                     run_findings(lm_rows[0], subset), samples(folder)]
     for r in runs:
         if r.study == TASK:
             family = "baseline" if r.model.startswith("baseline") else "FBT"
