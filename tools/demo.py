@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from fbt_megatron.cli import quiet_library_warnings, run_cli
+from fbt_megatron.cli import plural, quiet_library_warnings, run_cli
 from fbt_megatron.tasks.evaluate import FULL, bucket_labels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -325,6 +325,7 @@ def main(argv=None) -> int:
     demo_fbt = [(c["data"][0], m, f"e{e:g}") for c in lm.grids["demo"]["cells"] for m in c["models"]
                 if not m.startswith("baseline") for e in c["epochs"]]
     verdict = lm_verdict(summary, *demo_fbt[0]) if demo_fbt else None
+    lm_cells = lm.grids["demo"]["cells"]
     if not held(verdict):  # shown only when it held in every seed of the study
         lm.grids["demo"]["cells"] = []
     kept_grid(task, "demo", lambda m: m.startswith("baseline") or task_held(task_results, m))
@@ -333,10 +334,11 @@ def main(argv=None) -> int:
     pairs = [(s, "demo") for s in (lm, task) if s.grids["demo"]["cells"]]
     alone = not pairs and verdict is not None  # nothing held anywhere: one FBT run of the study, no comparison
     if alone:
+        lm.grids["demo"]["cells"] = lm_cells
         kept_grid(lm, "demo", lambda m: not m.startswith("baseline"))
         pairs = [(lm, "demo")]
     runs = studies.runs_of_grids(pairs, out, show=True)
-    print(f"{len(runs)} runs, {args.jobs} at a time with 1 thread each; logs in each run's train.log", flush=True)
+    print(f"{plural(len(runs), 'run')}, {args.jobs} at a time with 1 thread each; logs in each run's train.log", flush=True)
     failed = studies.run(runs, args.jobs, args.jobs, args.nice).failed
     if failed:
         raise RuntimeError(f"{len(failed)} runs failed: " + "; ".join(f"{r.label}: {m}" for r, m in failed))
@@ -370,7 +372,7 @@ def main(argv=None) -> int:
         sections += ["## State tracking", not_shown(TASK, task_results is not None,
                                                     "no FBT setting held in every seed and thread count tried")]
     minutes = (time.time() - start) / 60
-    sections.append(f"{minutes:.1f} min in all on this machine ({len(runs)} runs; {args.jobs} at a time, 1 thread each).")
+    sections.append(f"{minutes:.1f} min in all on this machine ({plural(len(runs), 'run')}; {args.jobs} at a time, 1 thread each).")
     text = "\n\n".join(sections) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text("# Demo results\n\n" + text)
