@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STUDIES = ROOT / "recipes" / "studies"
 EVIDENCE = ROOT / "docs" / "evidence"
 LM, TASK = "compute_for_data", "state_tracking"
-FULL_GRIDS = {LM: ["cut", "cut_mix"], TASK: ["screen", "baselines", "more", "more2"]}  # what docs/evidence.md reports
+FULL_GRIDS = {LM: ["cut", "cut_mix"], TASK: ["screen", "baselines", "more", "more2", "threads2_recipe"]}  # what docs/evidence.md reports
 PAPER = "1B parameters trained on 100B tokens"
 
 
