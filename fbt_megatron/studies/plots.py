@@ -91,7 +91,7 @@ def plot_task(results: dict, path: Path):
         values = [r["task"]["accuracy"]["full recurrence"][last] for r in runs]
         ax.plot([i] * len(values), values, "o", color="tab:red", alpha=0.6)
         ax.plot([i - 0.25, i + 0.25], [statistics.mean(values)] * 2, color="black", lw=1)
-        labels.append(f"{c['model']}\n{c['length']} t{c['threads']}\nheld {c['held']}/{len(runs)}")
+        labels.append(f"{c['data']} {c['model']}\n{c['length']} t{c['threads']}\nheld {c['held']}/{len(runs)}")
     ax.axhline(0.95, color="gray", ls=":", lw=1)
     ax.set_xticks(range(len(cells)), labels, fontsize=7)
     ax.set_ylim(0, 1.03)
