@@ -39,11 +39,21 @@ def test_a_comparison_left_out_says_why():
     assert "in the study behind docs/evidence.md, FBT did not end below (the numbers: docs/evidence/compute_for_data/)" in held_not
 
 
-def test_a_task_setting_is_kept_only_when_every_run_held():
-    runs = [{"model": "fbt_window8", "held": True, "threads": t} for t in (1, 2)] + [{"model": "fbt", "held": True, "threads": 1},
-                                                                                      {"model": "fbt", "held": False, "threads": 2}]
-    assert demo.task_held({"runs": runs}, "fbt_window8") and not demo.task_held({"runs": runs}, "fbt")
-    assert not demo.task_held({"runs": runs}, "fbt_k4")  # never tried
+def test_a_task_setting_is_kept_only_when_every_run_held_at_two_thread_counts():
+    from types import SimpleNamespace
+
+    def run(model, length, threads, held=True):
+        return {"data": "parity", "model": model, "length": length, "threads": threads, "held": held}
+
+    runs = [run("fbt_window8", "s3000", t) for t in (1, 2)] + [run("fbt_window8", "s1500", 1, False),
+                                                             run("fbt", "s1500", 1), run("fbt", "s1500", 2, False),
+                                                             run("fbt_k4", "s1500", 1)]
+    setting = lambda model, length: SimpleNamespace(data="parity", model=model, length=length)  # noqa: E731
+    assert demo.task_held({"runs": runs}, setting("fbt_window8", "s3000"))  # its own length only
+    assert not demo.task_held({"runs": runs}, setting("fbt_window8", "s1500"))
+    assert not demo.task_held({"runs": runs}, setting("fbt", "s1500"))  # one thread count failed
+    assert not demo.task_held({"runs": runs}, setting("fbt_k4", "s1500"))  # held at one thread count only
+    assert not demo.task_held({"runs": runs}, setting("fbt_jitter", "s1500"))  # never tried
 
 
 def test_compute_for_data_paragraph_quotes_the_runs_and_the_study():

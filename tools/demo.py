@@ -58,6 +58,10 @@ def lm_verdict(summary: Optional[dict], data: str, model: str, length: str) -> O
                 None)
 
 
+def is_baseline(run) -> bool:
+    return run.model.startswith("baseline")
+
+
 def held(verdict: Optional[dict]) -> bool:
     """Whether the study's result held in every seed."""
     return verdict is not None and verdict["fused0_below_frontier"] == verdict["seeds"]
@@ -71,14 +75,13 @@ def not_shown(study: str, studied: bool, why: str) -> str:
             "the demo shows a comparison only once it held in every seed there.")
 
 
-def task_held(results: Optional[dict], model: str) -> bool:
-    """Whether every run of ``model`` in the study (every seed and thread count) held: its full
-    recurrence ≥ 0.95 at every position bucket."""
-    runs = [r for r in (results or {}).get("runs", []) if r["model"] == model]
-    return bool(runs) and all(r["held"] for r in runs)
+def task_held(results: Optional[dict], run) -> bool:
+    """Whether the study ran ``run``'s setting (its data, model and length) at two thread counts or
+    more and every run of it held: its full recurrence ≥ 0.95 at every position bucket."""
+    runs = [r for r in (results or {}).get("runs", []) if (r["data"], r["model"], r["length"]) == (run.data, run.model, run.length)]
+    return len({r["threads"] for r in runs}) >= 2 and all(r["held"] for r in runs)
 
 
-# ---------------------------------------------------------------- language modelling: numbers and words
 def lm_left_out(verdict: dict) -> str:
     """Why the demo does not run the compute-for-data comparison: the study's seeds did not all hold."""
     gap = verdict["fused0_minus_frontier"]
@@ -287,16 +290,6 @@ def plot(lm_rows: List[dict], frontier: Optional[float], tasks: Dict[str, Dict[s
 
 
 # ---------------------------------------------------------------- main
-def kept_grid(study, grid: str, keep) -> None:
-    """Drop from ``study``'s ``grid`` the models ``keep(model)`` rejects (cells left empty go)."""
-    cells = []
-    for cell in study.grids[grid]["cells"]:
-        models = [m for m in cell["models"] if keep(m)]
-        if models:
-            cells.append({**cell, "models": models})
-    study.grids[grid] = {**study.grids[grid], "cells": cells}
-
-
 def main(argv=None) -> int:
     from fbt_megatron.studies import results as study_results
     from fbt_megatron.studies import study as studies
@@ -325,19 +318,12 @@ def main(argv=None) -> int:
     demo_fbt = [(c["data"][0], m, f"e{e:g}") for c in lm.grids["demo"]["cells"] for m in c["models"]
                 if not m.startswith("baseline") for e in c["epochs"]]
     verdict = lm_verdict(summary, *demo_fbt[0]) if demo_fbt else None
-    lm_cells = lm.grids["demo"]["cells"]
-    if not held(verdict):  # shown only when it held in every seed of the study
-        lm.grids["demo"]["cells"] = []
-    kept_grid(task, "demo", lambda m: m.startswith("baseline") or task_held(task_results, m))
-    if all(m.startswith("baseline") for c in task.grids["demo"]["cells"] for m in c["models"]):
-        task.grids["demo"]["cells"] = []  # no FBT setting held in every seed: nothing to compare
-    pairs = [(s, "demo") for s in (lm, task) if s.grids["demo"]["cells"]]
-    alone = not pairs and verdict is not None  # nothing held anywhere: one FBT run of the study, no comparison
-    if alone:
-        lm.grids["demo"]["cells"] = lm_cells
-        kept_grid(lm, "demo", lambda m: not m.startswith("baseline"))
-        pairs = [(lm, "demo")]
-    runs = studies.runs_of_grids(pairs, out, show=True)
+    task_runs = studies.runs_of_grids([(task, "demo")], out)
+    fbt_task = [r for r in task_runs if not is_baseline(r) and task_held(task_results, r)]  # settings that held
+    task_runs = fbt_task + [r for r in task_runs if is_baseline(r)] if fbt_task else []
+    alone = not held(verdict) and not task_runs and verdict is not None  # nothing held: one FBT run of the study
+    lm_runs = studies.runs_of_grids([(lm, "demo")], out, show=True) if held(verdict) or alone else []
+    runs = [r for r in lm_runs if not (alone and is_baseline(r))] + task_runs
     print(f"{plural(len(runs), 'run')}, {args.jobs} at a time with 1 thread each; logs in each run's train.log", flush=True)
     failed = studies.run(runs, args.jobs, args.jobs, args.nice).failed
     if failed:
