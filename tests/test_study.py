@@ -134,6 +134,9 @@ def test_the_table_equals_the_logged_values(grid):
         assert all(f"{v:.4f}" in line for v in final)
     csv_lines = (tmp / "report" / "runs.csv").read_text().splitlines()
     assert len(csv_lines) == 3 and csv_lines[0].startswith("data,model,length,seed")
+    walls = [json.loads((r.folder / "done.json").read_text())["wall_s"] for r in runs]
+    assert results["wall_by_grid"]["two"]["runs_s"] == pytest.approx(sum(walls), abs=0.1)  # each grid's time, from done.json
+    assert results["wall_by_grid"]["two"]["span_s"] >= max(walls) and "Wall time per grid" in table
 
 
 # ---------------------------------------------------------------- the documents quote only measured numbers

@@ -148,11 +148,13 @@ CSV_FIELDS = ["data", "model", "length", "seed", "threads", "steps", "epochs", "
               "best_valid", "best_step", "wall_s"]
 
 
-def write(rows: List[dict], out: Path, title: str) -> dict:
-    """results.json, runs.csv and table.md in ``out``; returns the results."""
+def write(rows: List[dict], out: Path, title: str, grids: Dict[str, List[dict]]) -> dict:
+    """results.json, runs.csv and table.md in ``out``; returns the results. ``grids``: {grid: its
+    rows}, for each grid's wall time (a grid is run at one time; the union of grids may span days)."""
     out.mkdir(parents=True, exist_ok=True)
     cells = cell_results(rows)
-    results = {"title": title, "runs": rows, "cells": cells, "wall": wall_time(rows)}
+    by_grid = {g: wall_time(r) for g, r in grids.items()}
+    results = {"title": title, "runs": rows, "cells": cells, "wall_by_grid": {g: w for g, w in by_grid.items() if w}}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     passes = max(len(r["valid"]) for r in rows)
     with open(out / "runs.csv", "w", newline="") as f:
@@ -163,8 +165,8 @@ def write(rows: List[dict], out: Path, title: str) -> dict:
                             + ([r["held"]] if "held" in r else []))
     tasks = any("accuracy" in c for c in cells)
     tables = [lm_table(cells)] + ([task_table(cells), task_seed_table(rows)] if tasks else [])
-    w = results["wall"]
-    note = (f"Wall time: {w['span_s'] / 3600:.1f} h from the first run's start to the last run's end "
-            f"({w['runs_s'] / 3600:.1f} h of runs added up; a resumed run counts from its last start)." if w else "")
+    note = ("Wall time per grid, from its first run's start to its last run's end (runs added up; a resumed run counts "
+            "from its last start): " + "; ".join(f"{g} {w['span_s'] / 60:.0f} min ({w['runs_s'] / 60:.0f} min)"
+                                                 for g, w in results["wall_by_grid"].items()) + ".")
     (out / "table.md").write_text(f"# {title}\n\n" + "\n\n".join(tables + [note]) + "\n")
     return results

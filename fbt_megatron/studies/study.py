@@ -88,7 +88,9 @@ def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool 
     if not finished:
         raise ValueError(f"no run of {name} is done yet")
     title = f"{study.name}, grid {'+'.join(grids)}: {len(finished)} of {len(runs)} runs"
-    written = results.write([results.run_result(r) for r in finished], out, title)
+    rows = {r.folder: results.run_result(r) for r in finished}
+    by_grid = {g: [rows[r.folder] for r in runs_of(study, g, root) if r.folder in rows] for g in grids}
+    written = results.write(list(rows.values()), out, title, by_grid)
     plots.plot(written, out / "results.png")
     if not any("task" in r for r in written["runs"]):
         rows = compare.comparisons(written["runs"])
