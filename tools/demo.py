@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STUDIES = ROOT / "recipes" / "studies"
 EVIDENCE = ROOT / "docs" / "evidence"
 LM, TASK = "compute_for_data", "state_tracking"
-FULL_GRIDS = {LM: ["cut", "cut_mix"], TASK: ["screen", "baselines", "more", "more2", "threads2_recipe"]}  # what docs/evidence.md reports
+FULL_GRIDS = {LM: ["cut", "cut_mix", "cut_e4", "wide", "wide_e8"],  # what docs/evidence.md reports
+              TASK: ["screen", "baselines", "more", "more2", "threads2_recipe", "more3", "more4"]}
 PAPER = "1B parameters trained on 100B tokens"
 
 

@@ -1,6 +1,6 @@
 """Plots of a grid's results (``results.write``'s dict), from the logged numbers only.
 
-Language-model grids: one column per data set; validation loss (0 fused) against training tokens
+Language-model grids: one column per data set and width; validation loss (0 fused) against training tokens
 (top) and against compute tokens, i.e. tokens × passes (bottom): each cell's curve is the mean over
 seeds with its min–max band, and the baseline's frontier (the best final validation loss of any of
 its runs, mean over seeds) is a dotted line. Task grids: the full recurrence's accuracy on the
@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 from typing import Dict, List
+
+from fbt_megatron.studies.compare import family
 
 
 def _colour(model: str, index: int, count: int):
@@ -28,9 +30,10 @@ def _curves(rows: List[dict]) -> Dict[tuple, List[dict]]:
     return cells
 
 
-def frontier(cells: List[dict], data: str) -> float:
-    """The baseline's best mean final validation loss (0 fused) over its runs on ``data``."""
-    return min(c["valid"][0]["mean"] for c in cells if c["data"] == data and c["model"].startswith("baseline"))
+def frontier(cells: List[dict], data: str, width: str = "") -> float:
+    """The baseline's best mean final validation loss (0 fused) over its runs on ``data`` at one
+    width (``compare.family``: "" or "_w128")."""
+    return min(c["valid"][0]["mean"] for c in cells if c["data"] == data and c["model"] == "baseline" + width)
 
 
 def plot_lm(results: dict, path: Path):
@@ -40,12 +43,12 @@ def plot_lm(results: dict, path: Path):
     import matplotlib.pyplot as plt
 
     rows, cells = results["runs"], results["cells"]
-    datas = list(dict.fromkeys(r["data"] for r in rows))
-    fig, axes = plt.subplots(2, len(datas), figsize=(6 * len(datas), 9), squeeze=False)
+    panels = list(dict.fromkeys((r["data"], family(r["model"])) for r in rows))  # a column per data set and width
+    fig, axes = plt.subplots(2, len(panels), figsize=(6 * len(panels), 9), squeeze=False)
     groups = _curves(rows)
     models = list(dict.fromkeys(k[1] for k in groups))
-    for col, data in enumerate(datas):
-        mine = [k for k in groups if k[0] == data]
+    for col, (data, width) in enumerate(panels):
+        mine = [k for k in groups if k[0] == data and family(k[1]) == width]
         for row, axis in enumerate(("tokens", "compute_tokens")):
             ax = axes[row][col]
             for model in models:
@@ -61,10 +64,10 @@ def plot_lm(results: dict, path: Path):
                         ax.fill_between(x, [min(v) for v in y], [max(v) for v in y], color=colour, alpha=0.15, lw=0)
                     ax.plot(x[-1:], [statistics.mean(y[-1])], "o", color=colour)
             if any(k[1].startswith("baseline") for k in mine):
-                ax.axhline(frontier(cells, data), color="tab:blue", ls=":", lw=1, label="baseline's best final (mean)")
+                ax.axhline(frontier(cells, data, width), color="tab:blue", ls=":", lw=1, label="baseline's best final (mean)")
             ax.set_xscale("log")
             ax.set(xlabel="training tokens" if axis == "tokens" else "compute tokens (tokens × passes)",
-                   ylabel="validation loss, 0 fused (lower is better)", title=f"{data}: against {axis.replace('_', ' ')}")
+                   ylabel="validation loss, 0 fused (lower is better)", title=f"{data}{' ' + width[1:] if width else ''}: against {axis.replace('_', ' ')}")
             top = max(statistics.mean(r["curve"][len(r["curve"]) // 2]["valid"][0] for r in groups[k]) for k in mine)
             low = min(min(p["valid"][0] for p in r["curve"]) for k in mine for r in groups[k])
             ax.set_ylim(low - 0.05, top + 0.1)  # the end of training, where the comparison is
