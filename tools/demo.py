@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STUDIES = ROOT / "recipes" / "studies"
 EVIDENCE = ROOT / "docs" / "evidence"
 LM, TASK = "compute_for_data", "state_tracking"
-FULL_GRIDS = {LM: ["cut", "cut_mix", "cut_e4", "wide", "wide_e8", "cut_300k", "cut_300k_e12", "cut_300k_frontier"],  # what docs/evidence.md reports
+FULL_GRIDS = {LM: ["cut", "cut_mix", "cut_e4", "wide", "wide_e8", "cut_300k", "cut_300k_e12", "cut_300k_frontier",
+                   "cut_300k_mix"],  # what docs/evidence.md reports
               TASK: ["screen", "baselines", "more", "more2", "threads2_recipe", "more3", "more4", "more5"]}
 PAPER = "1B parameters trained on 100B tokens"
 
