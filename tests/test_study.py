@@ -62,6 +62,37 @@ def test_subset_keeps_documents_whole_and_uses_the_corpus_tokenizer(small_corpus
         prepare_subset(str(folder), str(tmp_path / "sub"), 10_000)
 
 
+def test_subset_leaves_out_near_copies_of_validation_documents(small_corpus, tmp_path):
+    """A train document whose long lines the validation split holds is passed over; the rest keep
+    their order, so a rule that excludes none of the chosen documents changes nothing."""
+    folder = tmp_path / "corpus"
+    shutil.copytree(Path(small_corpus.train_prefix).parent, folder)
+
+    def made(name, **rule):
+        prepare_subset(str(folder), str(tmp_path / name), 20_000, **rule)
+        return json.loads((tmp_path / name / "corpus.json").read_text())["subset"]
+
+    plain = made("plain")["documents"]
+    train = {d["name"]: d["text"] for d in docs(folder / "docs.train.jsonl")}
+    long = {n: [line.strip() for line in t.splitlines() if len(line.strip()) > 40] for n, t in train.items()}
+    copied = max(plain, key=lambda n: len(set(long[n])))  # a chosen document, copied into the validation split
+    valid = docs(folder / "docs.valid.jsonl")
+    valid[0]["text"] += "\n" + train[copied]
+    (folder / "docs.valid.jsonl").write_text("".join(json.dumps(d) + "\n" for d in valid), encoding="utf-8")
+    in_valid = {line.strip() for d in valid for line in d["text"].splitlines() if len(line.strip()) > 40}
+    shared = {n: sum(line in in_valid for line in lines) for n, lines in long.items()}
+    limit = len(long[copied]) - 1
+    assert limit >= 1
+    rule = made("rule", max_shared_lines=limit)
+    assert copied not in rule["documents"] and copied in rule["excluded"]
+    assert sorted(rule["excluded"]) == sorted(n for n, k in shared.items() if k > limit)
+    assert not set(rule["excluded"]) & set(rule["documents"])
+    loose = made("loose", max_shared_lines=max(shared.values()))
+    assert loose["documents"] == plain and loose["excluded"] == []
+    with pytest.raises(ValueError, match="holds something else"):  # the rule is part of how a subset was made
+        prepare_subset(str(folder), str(tmp_path / "plain"), 20_000, max_shared_lines=limit)
+
+
 def write_study(path: Path, source: str, corpus: Path) -> Path:
     study = {
         "name": "mini",

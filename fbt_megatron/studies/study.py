@@ -29,7 +29,7 @@ def prepare_data(study: Study, grid: str, root: Path, show: bool = True) -> Dict
     tokens = {}
     for name in names:
         subset = prepare_subset(str(corpus), str(study.subset_folder(root, name)), study.data[name]["subset_tokens"],
-                                study.data[name].get("order_seed", 0))
+                                study.data[name].get("order_seed", 0), study.data[name].get("max_shared_lines"))
         tokens[name] = subset.tokens["train"]
         if show:
             print(f"subset {name}: {subset.documents['train']} documents, {tokens[name]:,} tokens "

@@ -11,9 +11,14 @@ with ``--data-path SUBSET --corpus null``::
     docs.valid.jsonl, valid_text_document.bin/.idx     the corpus's validation split, copied
 
 Documents are taken in an order shuffled by ``order_seed``; a document joins when it keeps the
-subset at most ``tokens`` long (EOD included), so the subset ends a little under ``tokens``. The
-folder is built beside its place and renamed into it; an existing subset is reused when it was made
-the same way, and is an error otherwise.
+subset at most ``tokens`` long (EOD included), so the subset ends a little under ``tokens``. With
+``max_shared_lines``, a document that shares more long lines (over 40 characters, stripped) with the
+validation split is left out: near-copies of validation documents (the stdlib's generated codec
+tables, ``encodings/cp1253.py`` beside the validation split's ``encodings/iso8859_6.py``) would
+otherwise be memorised and read as generalisation. Leaving documents out keeps the others' order, so
+a subset that holds none of them is the same with or without the rule. The folder is built beside
+its place and renamed into it; an existing subset is reused when it was made the same way, and is an
+error otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Optional
 
 import numpy
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -30,11 +36,19 @@ from fbt_megatron.data.corpus import MANIFEST, Corpus, load_corpus
 from fbt_megatron.data.preprocess import preprocess
 
 
-def choose_documents(lengths: list[int], tokens: int, order_seed: int = 0) -> list[int]:
-    """Indices (increasing) of the documents, of these token ``lengths``, that make the subset."""
+LONG_LINE = 40  # characters: shorter lines (``else:``, ``return None``) are shared by any two programs
+
+
+def long_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if len(line.strip()) > LONG_LINE]
+
+
+def choose_documents(lengths: list[int], tokens: int, order_seed: int = 0, excluded: frozenset = frozenset()) -> list[int]:
+    """Indices (increasing) of the documents, of these token ``lengths``, that make the subset;
+    ``excluded`` documents are passed over."""
     chosen, total = [], 0
     for i in numpy.random.default_rng(order_seed).permutation(len(lengths)).tolist():
-        if total + lengths[i] <= tokens:
+        if i not in excluded and total + lengths[i] <= tokens:
             chosen.append(i)
             total += lengths[i]
     return sorted(chosen)
@@ -45,13 +59,26 @@ def _manifest(folder: str) -> dict:
         return json.load(f)
 
 
-def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int = 0) -> Corpus:
+def shared_with_validation(corpus_folder: str, manifest: dict) -> list[tuple[str, int]]:
+    """For each document of the train split: its name, and how many of its long lines the
+    validation split holds."""
+    def documents(split):
+        with open(os.path.join(corpus_folder, manifest["splits"][split]["docs"]), encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    valid = {line for d in documents("valid") for line in long_lines(d["text"])}
+    return [(d["name"], sum(line in valid for line in long_lines(d["text"]))) for d in documents("train")]
+
+
+def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int = 0,
+                   max_shared_lines: Optional[int] = None) -> Corpus:
     """The subset of about ``tokens`` tokens of ``corpus_folder``'s train split in ``output`` (see
     the module docstring); its validation split is the corpus's."""
     if tokens < 1:
         raise ValueError(f"a subset needs a positive number of tokens, got {tokens}")
     corpus = load_corpus(corpus_folder)
-    recipe = {"of": os.path.abspath(corpus_folder), "target_tokens": tokens, "order_seed": order_seed}
+    recipe = {"of": os.path.abspath(corpus_folder), "target_tokens": tokens, "order_seed": order_seed,
+              "max_shared_lines": max_shared_lines}
     output = os.path.abspath(output)
     if os.path.exists(output):
         made = _manifest(output).get("subset", {}) if os.path.isfile(os.path.join(output, MANIFEST)) else {}
@@ -61,10 +88,12 @@ def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int
     documents = IndexedDataset(corpus.train_prefix)  # kept while its memory map is read
     lengths = documents.sequence_lengths.tolist()  # per document, EOD included
     del documents
-    chosen = choose_documents(lengths, tokens, order_seed)
+    manifest = _manifest(corpus_folder)
+    shared = shared_with_validation(corpus_folder, manifest) if max_shared_lines is not None else []
+    excluded = {i: name for i, (name, n) in enumerate(shared) if n > max_shared_lines}
+    chosen = choose_documents(lengths, tokens, order_seed, frozenset(excluded))
     if not chosen:
         raise ValueError(f"no document of {corpus_folder}'s train split fits in {tokens} tokens; ask for more")
-    manifest = _manifest(corpus_folder)
     parent, name = os.path.split(output)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
@@ -85,7 +114,8 @@ def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int
         for file in (valid["docs"], valid["prefix"] + ".bin", valid["prefix"] + ".idx"):
             shutil.copyfile(os.path.join(corpus_folder, file), os.path.join(tmp, file))
         manifest["splits"]["train"] = {"prefix": "train_text_document", "docs": "docs.train.jsonl", **counts}
-        manifest["subset"] = {**recipe, "documents": [json.loads(line)["name"] for line in lines]}
+        manifest["subset"] = {**recipe, "documents": [json.loads(line)["name"] for line in lines],
+                              "excluded": [excluded[i] for i in sorted(excluded)]}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
         os.rename(tmp, output)
