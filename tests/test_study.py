@@ -170,6 +170,38 @@ def test_the_table_equals_the_logged_values(grid):
     assert results["wall_by_grid"]["two"]["span_s"] >= max(walls) and "Wall time per grid" in table
 
 
+
+@pytest.mark.slow
+def test_a_report_rebuilt_from_its_records_alone_is_the_same(grid):
+    """The records a report keeps put its finished runs under another root (--reuse): nothing is
+    trained again and the report from them equals the one from the runs themselves."""
+    study, tmp = grid
+    first = studies.report(study, ["two"], tmp / "root", tmp / "report1")
+    records = tmp / "report1" / "records"
+    kept = sorted(p.relative_to(records).as_posix() for p in records.rglob("*") if p.is_file())
+    assert kept == sorted(f"mini/sub/{m}/s4/seed5-t1/{f}" for m in ("baseline", "fbt_k2")
+                          for f in ("done.json", "metrics.jsonl", "run.json"))
+    assert all(str(tmp) not in p.read_text() for p in records.rglob("run.json"))  # the same wherever it was made
+    elsewhere = tmp / "elsewhere"
+    runs = studies.runs_of_grids([(study, "two")], elsewhere, reuse=[records])
+    assert all((r.folder / "done.json").is_file() and not (r.folder / "train.log").exists() for r in runs)
+    again = studies.run(runs, jobs=2, cpus=2, nice=0, show=False)
+    assert again.failed == [] and again.reused == 2  # nothing trained
+    second = studies.report(study, ["two"], elsewhere, tmp / "report2")
+    assert second["runs"] == first["runs"] and second["cells"] == first["cells"]
+    assert (tmp / "report2" / "table.md").read_text() == (tmp / "report1" / "table.md").read_text()
+    # a record of another command is refused, and a place holding an unfinished run is not overwritten
+    other = load_study(write_study(tmp / "other2.yaml", study.corpus["source"], tmp / "corpus"))
+    other.flags["eval-iters"] = 2
+    with pytest.raises(ValueError, match="another command"):
+        studies.runs_of_grids([(other, "two")], tmp / "third", reuse=[records])
+    unfinished = studies.runs_of(study, "two", tmp / "fourth")[0].folder
+    unfinished.mkdir(parents=True)
+    (unfinished / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds an unfinished run"):
+        studies.runs_of_grids([(study, "two")], tmp / "fourth", reuse=[records])
+    assert (unfinished / "metrics.jsonl").read_text() == "" and not (unfinished / "done.json").exists()
+
 # ---------------------------------------------------------------- the documents quote only measured numbers
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = ROOT / "docs" / "evidence"

@@ -7,7 +7,9 @@
 
 Runs live under --root (default runs/studies): ROOT/STUDY/DATA/MODEL/LENGTH/seedS-tT, each a run
 folder of the training entry point with its train.log. A finished run is reused, an interrupted one
-resumes; run the same command again to continue a grid.
+resumes; run the same command again to continue a grid. A report also keeps each run's record
+(its command, metrics.jsonl, done.json, eval.json) in OUT/records; --reuse OUT/records puts them
+under another root, to finish a grid elsewhere or to rebuild a report from them alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nice", type=int, default=19, help="niceness of the runs (default: 19)")
     parser.add_argument("--out", help="report: the folder for results.json, runs.csv, table.md, results.png")
     parser.add_argument("--partial", action="store_true", help="report: the runs done so far")
+    parser.add_argument("--reuse", action="append", default=[], metavar="RECORDS",
+                        help="first put the finished runs recorded in RECORDS (a report's records/ folder) in their places under --root")
     args = parser.parse_args(argv)
     quiet_library_warnings()
     study, root = load_study(args.study), Path(args.root).resolve()
@@ -44,18 +48,18 @@ def main(argv=None) -> int:
             raise ValueError(f"--then takes STUDY:GRID, got {spec!r}")
         pairs.append((load_study(path), grid))
     if args.command == "plan":
-        print(studies.plan(studies.runs_of_grids(pairs, root, show=True)))
+        print(studies.plan(studies.runs_of_grids(pairs, root, show=True, reuse=args.reuse)))
         return 0
     if args.command == "run":
-        failed = studies.run(studies.runs_of_grids(pairs, root, show=True), args.jobs, args.cpus, args.nice).failed
+        failed = studies.run(studies.runs_of_grids(pairs, root, show=True, reuse=args.reuse), args.jobs, args.cpus, args.nice).failed
         for run, message in failed:
             print(f"failed: {run.label}: {message}", file=sys.stderr)
         return 1 if failed else 0
     if not args.out or args.then:
         raise ValueError("report takes one study (no --then) and needs --out FOLDER")
-    written = studies.report(study, args.grid, root, Path(args.out), args.partial)
+    written = studies.report(study, args.grid, root, Path(args.out), args.partial, args.reuse)
     print((Path(args.out) / "table.md").read_text())
-    print(f"wrote {args.out}/results.json, runs.csv, table.md, results.png ({len(written['runs'])} runs)")
+    print(f"wrote {args.out}/results.json, runs.csv, table.md, results.png, records/ ({len(written['runs'])} runs)")
     return 0
 
 if __name__ == "__main__":

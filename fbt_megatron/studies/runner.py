@@ -62,18 +62,22 @@ def _write_json(path: Path, value) -> None:
     os.replace(tmp, path)
 
 
+def identity(run: RunSpec) -> dict:
+    """What ``run.json`` holds: the run's command."""
+    return {"recipe": str(run.recipe), "flags": list(run.flags)}
+
+
 def claim(run: RunSpec) -> None:
     """Make ``run.folder`` this run's (``run.json``), or fail when another command made it."""
-    identity = {"recipe": str(run.recipe), "flags": list(run.flags)}
     path = run.folder / IDENTITY
     if path.is_file():
         before = json.loads(path.read_text())
-        if before != identity:
+        if before != identity(run):
             raise ValueError(f"{run.folder} holds a run of another command ({before['recipe']} {' '.join(before['flags'])}); "
                              "remove it or choose another --root")
         return
     run.folder.mkdir(parents=True, exist_ok=True)
-    _write_json(path, identity)
+    _write_json(path, identity(run))
 
 
 class Runner:

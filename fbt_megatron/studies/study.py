@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 from fbt_megatron.metrics import read_metrics
 from fbt_megatron.studies.grid import RunSpec, Study, expand, subset_tokens_needed
@@ -66,19 +66,27 @@ def run(runs: List[RunSpec], jobs: int, cpus: int, nice: int, show: bool = True)
     return runner
 
 
-def runs_of_grids(pairs: List[tuple], root: Path, show: bool = False) -> List[RunSpec]:
-    """The runs of several (study, grid) pairs in order, each run once."""
+def runs_of_grids(pairs: List[tuple], root: Path, show: bool = False, reuse: Sequence[Path] = ()) -> List[RunSpec]:
+    """The runs of several (study, grid) pairs in order, each run once; the records in ``reuse``
+    (report folders' records/) of those not done yet are put in their places first."""
+    from fbt_megatron.studies import records
+
     runs, seen = [], set()
     for study, grid in pairs:
         runs += [r for r in runs_of(study, grid, root, show) if not (r.folder in seen or seen.add(r.folder))]
+    for folder in reuse:
+        restored = records.restore(runs, root, Path(folder))
+        if show:
+            print(f"{restored} finished runs reused from {folder}", flush=True)
     return runs
 
 
-def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool = False) -> dict:
-    """Tables and plots of the finished runs of ``grids`` into ``out``; every run must be done unless ``partial``."""
-    from fbt_megatron.studies import compare, plots, results
+def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool = False, reuse: Sequence[Path] = ()) -> dict:
+    """Tables and plots of the finished runs of ``grids`` into ``out``, and their records
+    (``out/records``, studies.records); every run must be done unless ``partial``."""
+    from fbt_megatron.studies import compare, plots, records, results
 
-    runs = runs_of_grids([(study, g) for g in grids], root)
+    runs = runs_of_grids([(study, g) for g in grids], root, reuse=reuse)
     finished = [r for r in runs if is_done(r)]
     missing = len(runs) - len(finished)
     name = f"{study.name}/{'+'.join(grids)}"
@@ -91,6 +99,7 @@ def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool 
     rows = {r.folder: results.run_result(r) for r in finished}
     by_grid = {g: [rows[r.folder] for r in runs_of(study, g, root) if r.folder in rows] for g in grids}
     written = results.write(list(rows.values()), out, title, by_grid)
+    records.save(finished, root, out / "records")
     plots.plot(written, out / "results.png")
     if not any("task" in r for r in written["runs"]):
         rows = compare.comparisons(written["runs"])
