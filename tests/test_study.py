@@ -202,6 +202,25 @@ def test_a_report_rebuilt_from_its_records_alone_is_the_same(grid):
         studies.runs_of_grids([(study, "two")], tmp / "fourth", reuse=[records])
     assert (unfinished / "metrics.jsonl").read_text() == "" and not (unfinished / "done.json").exists()
 
+
+@pytest.mark.slow
+def test_a_report_grows_by_new_grids_keeping_what_it_reported(grid):
+    """--keep-reported: runs not under the root keep their records, or (reported before records were
+    kept) their rows of results.json; without it such a report is refused as incomplete."""
+    study, tmp = grid
+    out = tmp / "growing"
+    first = studies.report(study, ["two"], tmp / "root", out)
+    shutil.rmtree(out / "records")  # as a report made before records were kept
+    with pytest.raises(ValueError, match="2 of 2 runs of mini/two are not done"):
+        studies.report(study, ["two"], tmp / "empty", out)
+    kept = studies.report(study, ["two"], tmp / "empty", out, keep_reported=True)
+    assert kept["runs"] == first["runs"] and kept["cells"] == first["cells"]
+    assert not (out / "records").exists() or not any((out / "records").rglob("*.json"))  # rows, not records
+    studies.report(study, ["two"], tmp / "root", out)  # records again
+    again = studies.report(study, ["two"], tmp / "empty2", out, keep_reported=True)
+    assert again["runs"] == first["runs"]
+    assert all((r.folder / "done.json").is_file() for r in studies.runs_of(study, "two", tmp / "empty2"))
+
 # ---------------------------------------------------------------- the documents quote only measured numbers
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = ROOT / "docs" / "evidence"

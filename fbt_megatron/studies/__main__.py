@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nice", type=int, default=19, help="niceness of the runs (default: 19)")
     parser.add_argument("--out", help="report: the folder for results.json, runs.csv, table.md, results.png")
     parser.add_argument("--partial", action="store_true", help="report: the runs done so far")
+    parser.add_argument("--keep-reported", action="store_true",
+                        help="report: runs not under --root keep what --out already holds of them (its records/, or its results.json's rows)")
     parser.add_argument("--reuse", action="append", default=[], metavar="RECORDS",
                         help="first put the finished runs recorded in RECORDS (a report's records/ folder) in their places under --root")
     args = parser.parse_args(argv)
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
         return 1 if failed else 0
     if not args.out or args.then:
         raise ValueError("report takes one study (no --then) and needs --out FOLDER")
-    written = studies.report(study, args.grid, root, Path(args.out), args.partial, args.reuse)
+    written = studies.report(study, args.grid, root, Path(args.out), args.partial, args.reuse, args.keep_reported)
     print((Path(args.out) / "table.md").read_text())
     print(f"wrote {args.out}/results.json, runs.csv, table.md, results.png, records/ ({len(written['runs'])} runs)")
     return 0

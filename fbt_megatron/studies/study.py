@@ -81,22 +81,37 @@ def runs_of_grids(pairs: List[tuple], root: Path, show: bool = False, reuse: Seq
     return runs
 
 
-def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool = False, reuse: Sequence[Path] = ()) -> dict:
+def _reported(out: Path) -> Dict[tuple, dict]:
+    """The rows ``out/results.json`` holds, by run (data, model, length, seed, threads)."""
+    path = out / "results.json"
+    rows = json.loads(path.read_text())["runs"] if path.is_file() else []
+    return {(r["data"], r["model"], r["length"], r["seed"], r["threads"]): r for r in rows}
+
+
+def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool = False, reuse: Sequence[Path] = (),
+           keep_reported: bool = False) -> dict:
     """Tables and plots of the finished runs of ``grids`` into ``out``, and their records
-    (``out/records``, studies.records); every run must be done unless ``partial``."""
+    (``out/records``, studies.records); every run must be done unless ``partial``. With
+    ``keep_reported``, a run not under ``root`` keeps its record from ``out/records`` or, reported
+    before records were kept, its row in ``out/results.json``: a report can grow by new grids."""
     from fbt_megatron.studies import compare, plots, records, results
 
+    if keep_reported and (out / "records").is_dir():
+        reuse = [*reuse, out / "records"]
     runs = runs_of_grids([(study, g) for g in grids], root, reuse=reuse)
     finished = [r for r in runs if is_done(r)]
-    missing = len(runs) - len(finished)
+    before = _reported(out) if keep_reported else {}
+    rows = {r.folder: results.run_result(r) if is_done(r) else before.get((r.data, r.model, r.length, r.seed, r.threads))
+            for r in runs}
+    rows = {folder: row for folder, row in rows.items() if row is not None}
+    missing = len(runs) - len(rows)
     name = f"{study.name}/{'+'.join(grids)}"
     if missing and not partial:
         raise ValueError(f"{missing} of {len(runs)} runs of {name} are not done; run them first, "
                          "or --partial for a report of those that are")
-    if not finished:
+    if not rows:
         raise ValueError(f"no run of {name} is done yet")
-    title = f"{study.name}, grid {'+'.join(grids)}: {len(finished)} of {len(runs)} runs"
-    rows = {r.folder: results.run_result(r) for r in finished}
+    title = f"{study.name}, grid {'+'.join(grids)}: {len(rows)} of {len(runs)} runs"
     by_grid = {g: [rows[r.folder] for r in runs_of(study, g, root) if r.folder in rows] for g in grids}
     written = results.write(list(rows.values()), out, title, by_grid)
     records.save(finished, root, out / "records")
