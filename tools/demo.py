@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from fbt_megatron.cli import plural, quiet_library_warnings, run_cli
+from fbt_megatron.studies.results import HELD
 from fbt_megatron.tasks.evaluate import FULL, bucket_labels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +83,25 @@ def task_held(results: Optional[dict], run) -> bool:
     more and every run of it held: its full recurrence ≥ 0.95 at every position bucket."""
     runs = [r for r in (results or {}).get("runs", []) if (r["data"], r["model"], r["length"]) == (run.data, run.model, run.length)]
     return len({r["threads"] for r in runs}) >= 2 and all(r["held"] for r in runs)
+
+
+def seed_list(seeds: List[int]) -> str:
+    """1–5, or 1, 3, 7 when not a run of consecutive seeds."""
+    seeds = sorted(seeds)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def task_study(results: dict, run) -> str:
+    """The study's runs of ``run``'s setting, in words (shown beside the demo's own seed)."""
+    runs = [r for r in results["runs"] if (r["data"], r["model"], r["length"]) == (run.data, run.model, run.length)]
+    by_threads: Dict[int, List[int]] = {}
+    for r in runs:
+        by_threads.setdefault(r["threads"], []).append(r["seed"])
+    where = " and ".join(f"seeds {seed_list(seeds)} at {plural(t, 'thread')}" for t, seeds in sorted(by_threads.items()))
+    return (f"In the study behind docs/evidence.md this setting ({run.model}, {run.length}) held in all "
+            f"{len(runs)} of its runs ({where}): its full recurrence at least {HELD} accurate in every position bucket.")
 
 
 def lm_left_out(verdict: dict) -> str:
@@ -354,7 +374,9 @@ def main(argv=None) -> int:
     for name, result in tasks.items():
         if not result["FBT"]:
             continue
-        sections += [f"## State tracking: {name}", task_table(result), task_findings(name, result)]
+        setting = next(r for r in fbt_task if r.data == name)
+        sections += [f"## State tracking: {name}", task_table(result),
+                     task_findings(name, result) + " " + task_study(task_results, setting)]
     tasks = {k: v for k, v in tasks.items() if v["FBT"]}
     if not tasks:
         sections += ["## State tracking", not_shown(TASK, task_results is not None,
