@@ -3,14 +3,15 @@
 Two comparisons of a baseline and FBT, each the small ``demo`` grid of a study behind
 ``docs/evidence.md`` (the shipped results in ``docs/evidence/<study>/``):
 
-  * compute for data (``recipes/studies/compute_for_data.yaml``): on a fixed corpus of about 100K
-    tokens (whole documents of the stdlib training split), the baseline at FBT's epochs and at FBT's
-    compute (tokens × passes), against FBT with k = 2 passes on every step; validation loss against
-    compute tokens, beside the baseline's best at any number of epochs from the study; one seed, run
-    only when the study found it in every seed (otherwise one line gives the study's numbers);
+  * compute for data (``recipes/studies/compute_for_data.yaml``): on a fixed corpus (whole documents
+    of the stdlib training split; the ``demo`` grid says which subset and epochs), the baseline
+    against FBT with k = 2 passes on every step at the same epochs; validation loss against compute
+    tokens, beside the baseline's best at any number of epochs from the study; one seed, run only
+    when the study found it in every seed (otherwise one line gives the study's numbers);
   * state tracking (``recipes/studies/state_tracking.yaml``): running parity trained at length 32,
-    accuracy by position up to 4× that, of the baseline and of FBT's full recurrence, over 3 seeds;
-    run only for FBT settings that held in every seed and thread count of the study.
+    accuracy by position up to 4× that, of the baseline and of FBT's full recurrence; one seed of
+    an FBT setting, run only when it held in every seed and thread count of the study (the paragraph
+    quotes those runs).
 
 When no comparison held in every seed, the demo trains the FBT run of the compute-for-data ``demo``
 grid alone and shows its validation losses and one prompt decoded in each mode (standard, soft,
@@ -20,7 +21,7 @@ Runs go through the training entry point 2 at a time, 1 thread each (``fbt_megat
 finished runs are reused, interrupted ones resume. Results: ``<output>/results.md`` (tables, and a
 paragraph per comparison written from the numbers) and ``<output>/results.png``.
 
-    python tools/demo.py                  # the comparisons that held (none now: one FBT run instead)
+    python tools/demo.py                  # the comparisons that held in every seed of the studies
     python tools/demo.py --full           # the studies' grids behind docs/evidence.md (hours)
 """
 
@@ -44,7 +45,8 @@ EVIDENCE = ROOT / "docs" / "evidence"
 LM, TASK = "compute_for_data", "state_tracking"
 FULL_GRIDS = {LM: ["cut", "cut_mix", "cut_e4", "wide", "wide_e8", "cut_300k", "cut_300k_e12", "cut_300k_frontier",
                    "cut_300k_mix"],  # what docs/evidence.md reports
-              TASK: ["screen", "baselines", "more", "more2", "threads2_recipe", "more3", "more4", "more5"]}
+              TASK: ["screen", "baselines", "more", "more2", "threads2_recipe", "more3", "more4", "more5", "more6",
+                     "threads2_jitter", "more7"]}
 PAPER = "1B parameters trained on 100B tokens"
 
 
@@ -304,7 +306,8 @@ def plot(lm_rows: List[dict], frontier: Optional[float], tasks: Dict[str, Dict[s
         ax.axhline(first["chance"], color="gray", lw=0.8, ls="--")
         ax.set_ylim(0, 1.03)
         ax.set(xlabel="position", ylabel="accuracy (higher is better)",
-               title=f"state tracking, {task}: mean of {len(results['FBT'])} seeds (band: min–max)")
+               title=f"state tracking, {task}: " + (f"mean of {len(results['FBT'])} seeds (band: min–max)"
+                                                    if len(results["FBT"]) > 1 else "one seed"))
         ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
