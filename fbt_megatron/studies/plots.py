@@ -86,7 +86,7 @@ def plot_task(results: dict, path: Path):
 
     cells = [c for c in results["cells"] if "full recurrence" in c.get("accuracy", {})]
     groups = _curves(results["runs"])
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cells) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cells) + 2), 4.8))
     labels = []
     for i, c in enumerate(cells):
         runs = groups[(c["data"], c["model"], c["length"], c["threads"])]
@@ -94,7 +94,7 @@ def plot_task(results: dict, path: Path):
         values = [r["task"]["accuracy"]["full recurrence"][last] for r in runs]
         ax.plot([i] * len(values), values, "o", color="tab:red", alpha=0.6)
         ax.plot([i - 0.25, i + 0.25], [statistics.mean(values)] * 2, color="black", lw=1)
-        labels.append(f"{c['data']} {c['model']}\n{c['length']} t{c['threads']}\nheld {c['held']}/{len(runs)}")
+        labels.append(f"{c['data']}\n{c['model']}\n{c['length']} t{c['threads']}\nheld {c['held']}/{len(runs)}")
     ax.axhline(0.95, color="gray", ls=":", lw=1)
     ax.set_xticks(range(len(cells)), labels, fontsize=7)
     ax.set_ylim(0, 1.03)
