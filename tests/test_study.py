@@ -93,6 +93,48 @@ def test_subset_leaves_out_near_copies_of_validation_documents(small_corpus, tmp
         prepare_subset(str(folder), str(tmp_path / "plain"), 20_000, max_shared_lines=limit)
 
 
+def test_subset_caps_any_one_documents_share(small_corpus, tmp_path):
+    """With max_document_share no chosen document is longer than that share of the target; the
+    documents over it are listed, the rest keep their order (a cap above every document changes
+    nothing), and the cap is part of how a subset was made."""
+    folder = Path(small_corpus.train_prefix).parent
+    whole = IndexedDataset(small_corpus.train_prefix)  # kept while its memory map is read
+    lengths = whole.sequence_lengths.tolist()
+    names = [d["name"] for d in docs(folder / "docs.train.jsonl")]
+
+    def made(name, **rule):
+        subset = prepare_subset(str(folder), str(tmp_path / name), 20_000, **rule)
+        return json.loads((tmp_path / name / "corpus.json").read_text())["subset"], subset
+
+    plain, _ = made("plain")
+    chosen = [lengths[names.index(n)] for n in plain["documents"]]
+    share = (max(chosen) - 1) / 20_000  # leaves out the longest document chosen without a cap
+    capped, subset = made("capped", max_document_share=share)
+    assert max(lengths[names.index(n)] for n in capped["documents"]) <= share * 20_000
+    assert capped["too_long"] == [n for n, k in zip(names, lengths) if k > share * 20_000]
+    assert not set(capped["too_long"]) & set(capped["documents"])
+    assert subset.tokens["train"] == sum(lengths[names.index(n)] for n in capped["documents"]) <= 20_000
+    loose, _ = made("loose", max_document_share=max(chosen) / 20_000)  # leaves out only documents not chosen anyway
+    assert loose["documents"] == plain["documents"]
+    assert loose["too_long"] == [n for n, k in zip(names, lengths) if k > max(chosen)]
+    with pytest.raises(ValueError, match="holds something else"):
+        prepare_subset(str(folder), str(tmp_path / "plain"), 20_000, max_document_share=share)
+    with pytest.raises(ValueError, match="share of the subset's tokens"):
+        prepare_subset(str(folder), str(tmp_path / "bad"), 20_000, max_document_share=1.5)
+
+
+def test_a_study_file_names_an_unknown_data_key(tmp_path):
+    """A misspelt subset rule is an error, not a subset silently made without it."""
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "corpus": {"source": "stdlib", "path": "c"}, "models": {}, "grids": {},
+                                    "data": {"sub": {"subset_tokens": 1000, "max_document_shar": 0.1}}}))
+    with pytest.raises(ValueError, match=r"data sub: unknown keys \['max_document_shar'\]"):
+        load_study(path)
+    path.write_text(yaml.safe_dump({"name": "s", "models": {}, "grids": {}, "data": {"p": {"max_shared_lines": 3}}}))
+    with pytest.raises(ValueError, match="give subset_tokens"):
+        load_study(path)
+
+
 def write_study(path: Path, source: str, corpus: Path) -> Path:
     study = {
         "name": "mini",

@@ -5,7 +5,8 @@ A study file (``recipes/studies/*.yaml``) names its data, its models and one or 
     name: compute_for_data
     corpus: {source: stdlib, path: data/stdlib-sp2048, vocab_size: 2048}   # under --root; prepared if missing
     data:                                       # what a run trains on
-      100k: {subset_tokens: 100000}             #   whole documents of the corpus's train split (studies.subsets)
+      100k: {subset_tokens: 100000}             #   whole documents of the corpus's train split (studies.subsets;
+                                                #   rules: order_seed, max_shared_lines, max_document_share)
       parity: {flags: {corpus: "state_tracking:parity", data-path: "{root}/data/parity-32"}}
     models:                                     # a recipe and flags over it
       baseline: {recipe: recipes/tiny_cpu_baseline.yaml}
@@ -93,6 +94,8 @@ class Study:
 
 KEYS = {"name", "corpus", "data", "models", "flags", "validations", "evaluate", "grids"}
 CELL_KEYS = {"data", "models", "epochs", "steps", "equal_compute"}
+SUBSET_RULES = ("order_seed", "max_shared_lines", "max_document_share")  # studies.subsets.prepare_subset's rules
+DATA_KEYS = {"subset_tokens", "flags", *SUBSET_RULES}
 
 
 def load_study(path) -> Study:
@@ -108,6 +111,11 @@ def load_study(path) -> Study:
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(KEYS)})")
     study = Study(path=path, **raw)
+    for name, data in study.data.items():
+        if set(data) - DATA_KEYS:
+            raise ValueError(f"{path}: data {name}: unknown keys {sorted(set(data) - DATA_KEYS)} (known: {sorted(DATA_KEYS)})")
+        if set(SUBSET_RULES) & set(data) and "subset_tokens" not in data:
+            raise ValueError(f"{path}: data {name}: {sorted(set(SUBSET_RULES) & set(data))} choose a subset: give subset_tokens")
     if any("subset_tokens" in d for d in study.data.values()) and not study.corpus:
         raise ValueError(f"{path}: data with subset_tokens need a corpus: {{source, path, vocab_size}}")
     for name, grid in study.grids.items():

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from fbt_megatron.metrics import read_metrics
-from fbt_megatron.studies.grid import RunSpec, Study, expand, subset_tokens_needed
+from fbt_megatron.studies.grid import SUBSET_RULES, RunSpec, Study, expand, subset_tokens_needed
 from fbt_megatron.studies.runner import Runner, is_done
 
 
@@ -28,8 +28,8 @@ def prepare_data(study: Study, grid: str, root: Path, show: bool = True) -> Dict
                   show_progress=show)
     tokens = {}
     for name in names:
-        subset = prepare_subset(str(corpus), str(study.subset_folder(root, name)), study.data[name]["subset_tokens"],
-                                study.data[name].get("order_seed", 0), study.data[name].get("max_shared_lines"))
+        rules = {rule: study.data[name][rule] for rule in SUBSET_RULES if rule in study.data[name]}
+        subset = prepare_subset(str(corpus), str(study.subset_folder(root, name)), study.data[name]["subset_tokens"], **rules)
         tokens[name] = subset.tokens["train"]
         if show:
             print(f"subset {name}: {subset.documents['train']} documents, {tokens[name]:,} tokens "

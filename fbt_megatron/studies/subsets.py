@@ -15,8 +15,11 @@ subset at most ``tokens`` long (EOD included), so the subset ends a little under
 ``max_shared_lines``, a document that shares more long lines (over 40 characters, stripped) with the
 validation split is left out: near-copies of validation documents (the stdlib's generated codec
 tables, ``encodings/cp1253.py`` beside the validation split's ``encodings/iso8859_6.py``) would
-otherwise be memorised and read as generalisation. Leaving documents out keeps the others' order, so
-a subset that holds none of them is the same with or without the rule. The folder is built beside
+otherwise be memorised and read as generalisation. With ``max_document_share``, a document longer
+than that share of ``tokens`` is left out, so that no one document makes most of the subset (the
+stdlib's generated ``pydoc_data/topics.py``, English prose, would be 78% of a 300K subset). Leaving
+documents out keeps the others' order, so a subset that holds none of them is the same with or
+without a rule; the manifest lists what each rule left out. The folder is built beside
 its place and renamed into it; an existing subset is reused when it was made the same way, and is an
 error otherwise.
 """
@@ -71,14 +74,16 @@ def shared_with_validation(corpus_folder: str, manifest: dict) -> list[tuple[str
 
 
 def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int = 0,
-                   max_shared_lines: Optional[int] = None) -> Corpus:
+                   max_shared_lines: Optional[int] = None, max_document_share: Optional[float] = None) -> Corpus:
     """The subset of about ``tokens`` tokens of ``corpus_folder``'s train split in ``output`` (see
     the module docstring); its validation split is the corpus's."""
     if tokens < 1:
         raise ValueError(f"a subset needs a positive number of tokens, got {tokens}")
+    if max_document_share is not None and not 0 < max_document_share <= 1:
+        raise ValueError(f"max_document_share is a share of the subset's tokens, in (0, 1]; got {max_document_share}")
     corpus = load_corpus(corpus_folder)
     recipe = {"of": os.path.abspath(corpus_folder), "target_tokens": tokens, "order_seed": order_seed,
-              "max_shared_lines": max_shared_lines}
+              "max_shared_lines": max_shared_lines, "max_document_share": max_document_share}
     output = os.path.abspath(output)
     if os.path.exists(output):
         made = _manifest(output).get("subset", {}) if os.path.isfile(os.path.join(output, MANIFEST)) else {}
@@ -91,7 +96,9 @@ def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int
     manifest = _manifest(corpus_folder)
     shared = shared_with_validation(corpus_folder, manifest) if max_shared_lines is not None else []
     excluded = {i: name for i, (name, n) in enumerate(shared) if n > max_shared_lines}
-    chosen = choose_documents(lengths, tokens, order_seed, frozenset(excluded))
+    cap = tokens * max_document_share if max_document_share is not None else tokens
+    too_long = [i for i, n in enumerate(lengths) if n > cap]
+    chosen = choose_documents(lengths, tokens, order_seed, frozenset(excluded) | frozenset(too_long))
     if not chosen:
         raise ValueError(f"no document of {corpus_folder}'s train split fits in {tokens} tokens; ask for more")
     parent, name = os.path.split(output)
@@ -100,9 +107,15 @@ def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int
     os.chmod(tmp, 0o755)
     try:
         source_docs = os.path.join(corpus_folder, manifest["splits"]["train"]["docs"])
-        keep = set(chosen)
-        with open(source_docs, encoding="utf-8") as f, open(os.path.join(tmp, "docs.train.jsonl"), "w", encoding="utf-8") as out:
-            lines = [line for i, line in enumerate(f) if i in keep]
+        keep, long_ones = set(chosen), set(too_long) if max_document_share is not None else set()
+        lines, too_long_names = [], []
+        with open(source_docs, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i in keep:
+                    lines.append(line)
+                if i in long_ones:
+                    too_long_names.append(json.loads(line)["name"])
+        with open(os.path.join(tmp, "docs.train.jsonl"), "w", encoding="utf-8") as out:
             out.writelines(lines)
         shutil.copyfile(corpus.tokenizer_path, os.path.join(tmp, manifest["tokenizer"]))
         counts = preprocess([os.path.join(tmp, "docs.train.jsonl")], os.path.join(tmp, manifest["tokenizer"]),
@@ -115,7 +128,8 @@ def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int
             shutil.copyfile(os.path.join(corpus_folder, file), os.path.join(tmp, file))
         manifest["splits"]["train"] = {"prefix": "train_text_document", "docs": "docs.train.jsonl", **counts}
         manifest["subset"] = {**recipe, "documents": [json.loads(line)["name"] for line in lines],
-                              "excluded": [excluded[i] for i in sorted(excluded)]}
+                              "excluded": [excluded[i] for i in sorted(excluded)],
+                              "too_long": too_long_names}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
         os.rename(tmp, output)
