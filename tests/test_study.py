@@ -135,6 +135,18 @@ def test_a_study_file_names_an_unknown_data_key(tmp_path):
         load_study(path)
 
 
+def test_an_unknown_grid_is_one_line_naming_the_grids(tmp_path, capsys):
+    from fbt_megatron.cli import run_cli
+    from fbt_megatron.studies.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:
+        run_cli(lambda: main(["plan", "recipes/studies/compute_for_data.yaml", "--grid", "nope", "--root", str(tmp_path)]))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "has no grid 'nope'; its grids: cut, " in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing prepared
+
+
 def write_study(path: Path, source: str, corpus: Path) -> Path:
     study = {
         "name": "mini",

@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         return 1 if failed else 0
 
     summary, task_results = shipped(LM, "summary.json"), shipped(TASK, "results.json")
-    demo_fbt = [(c["data"][0], m, f"e{e:g}") for c in lm.grids["demo"]["cells"] for m in c["models"]
+    demo_fbt = [(c["data"][0], m, f"e{e:g}") for c in lm.grid("demo")["cells"] for m in c["models"]
                 if not m.startswith("baseline") for e in c["epochs"]]
     verdict = lm_verdict(summary, *demo_fbt[0]) if demo_fbt else None
     task_runs = studies.runs_of_grids([(task, "demo")], out)

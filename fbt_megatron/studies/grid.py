@@ -91,6 +91,12 @@ class Study:
     def subset_folder(self, root: Path, data: str) -> Path:
         return root / "data" / f"{self.name}-{data}"
 
+    def grid(self, name: str) -> dict:
+        """The grid ``name`` (ValueError naming the grids there are)."""
+        if name not in self.grids:
+            raise ValueError(f"{self.path} has no grid {name!r}; its grids: {', '.join(self.grids)}")
+        return self.grids[name]
+
 
 KEYS = {"name", "corpus", "data", "models", "flags", "validations", "evaluate", "grids"}
 CELL_KEYS = {"data", "models", "epochs", "steps", "equal_compute"}
@@ -177,7 +183,7 @@ def expand(study: Study, grid: str, root: Path, subset_tokens: Optional[Dict[str
     ``subset_tokens`` ({data: tokens in its train split})."""
     if grid not in study.grids:
         raise ValueError(f"{study.path} has no grid {grid!r}; choose one of {', '.join(study.grids)}")
-    g = study.grids[grid]
+    g = study.grid(grid)
     seeds, threads = g.get("seeds", [1234]), g.get("threads", [1])
     model_recipe = {m: REPO / spec["recipe"] for m, spec in study.models.items()}
     parsed: Dict[tuple, Any] = {}
@@ -236,5 +242,5 @@ def _run(study, root, data, model, epochs, steps, compute_of, seed, threads, rec
 
 def subset_tokens_needed(study: Study, grid: str) -> List[str]:
     """The subsets ``grid`` trains on."""
-    names = {d for cell in study.grids[grid].get("cells", []) for d in cell["data"]}
+    names = {d for cell in study.grid(grid).get("cells", []) for d in cell["data"]}
     return sorted(d for d in names if "subset_tokens" in study.data[d])
