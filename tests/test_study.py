@@ -124,7 +124,8 @@ def test_subset_caps_any_one_documents_share(small_corpus, tmp_path):
 
 
 def test_a_study_file_names_an_unknown_data_key(tmp_path):
-    """A misspelt subset rule is an error, not a subset silently made without it."""
+    """A misspelt subset rule is an error, not a subset silently made without it; so is a model
+    without its recipe file."""
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump({"name": "s", "corpus": {"source": "stdlib", "path": "c"}, "models": {}, "grids": {},
                                     "data": {"sub": {"subset_tokens": 1000, "max_document_shar": 0.1}}}))
@@ -132,6 +133,9 @@ def test_a_study_file_names_an_unknown_data_key(tmp_path):
         load_study(path)
     path.write_text(yaml.safe_dump({"name": "s", "models": {}, "grids": {}, "data": {"p": {"max_shared_lines": 3}}}))
     with pytest.raises(ValueError, match="give subset_tokens"):
+        load_study(path)
+    path.write_text(yaml.safe_dump({"name": "s", "data": {}, "grids": {}, "models": {"b": {"recipe": "recipes/nope.yaml"}}}))
+    with pytest.raises(ValueError, match="model b needs a recipe file"):  # before any corpus is prepared
         load_study(path)
 
 

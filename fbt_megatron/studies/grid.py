@@ -122,6 +122,10 @@ def load_study(path) -> Study:
             raise ValueError(f"{path}: data {name}: unknown keys {sorted(set(data) - DATA_KEYS)} (known: {sorted(DATA_KEYS)})")
         if set(SUBSET_RULES) & set(data) and "subset_tokens" not in data:
             raise ValueError(f"{path}: data {name}: {sorted(set(SUBSET_RULES) & set(data))} choose a subset: give subset_tokens")
+    for name, model in study.models.items():
+        recipe = model.get("recipe") if isinstance(model, dict) else None
+        if not recipe or not (REPO / recipe).is_file():
+            raise ValueError(f"{path}: model {name} needs a recipe file (relative to {REPO}): got {model!r}")
     if any("subset_tokens" in d for d in study.data.values()) and not study.corpus:
         raise ValueError(f"{path}: data with subset_tokens need a corpus: {{source, path, vocab_size}}")
     for name, grid in study.grids.items():
