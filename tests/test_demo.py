@@ -1,6 +1,8 @@
 """tools/demo.py on synthetic results: which settings it keeps (only those that held for every seed in
 the shipped studies), the words written from the numbers, and an honest figure."""
 
+import json
+
 import demo
 import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
@@ -68,6 +70,30 @@ def test_the_demo_s_task_seed_is_set_beside_the_study_s_runs():
                     "accurate in every position bucket.")
 
 
+def test_the_task_baseline_is_the_study_s_runs_trained_as_long(tmp_path, monkeypatch):
+    """The demo does not train the state-tracking baseline: it reads the study's runs of the baseline
+    at the FBT setting's data and length from their shipped records (runs without a record left out)."""
+    from types import SimpleNamespace
+
+    from fbt_megatron.studies.grid import load_study
+
+    study = load_study(demo.STUDIES / "state_tracking.yaml")
+    monkeypatch.setattr(demo, "EVIDENCE", tmp_path)
+    runs = [{"data": "parity", "model": m, "length": n, "threads": 1, "seed": s}
+            for m, n, s in (("baseline", "s3000", 2), ("baseline", "s3000", 1), ("baseline", "s1500", 1),
+                            ("baseline_window8", "s3000", 1), ("baseline", "s3000", 3))]
+    for r in runs[:-1]:  # seed 3 was reported before records
+        folder = study.run_folder(tmp_path / "state_tracking" / "records", r["data"], r["model"], r["length"], r["seed"], 1)
+        folder.mkdir(parents=True)
+        (folder / "eval.json").write_text(json.dumps({"source": (r["model"], r["length"], r["seed"])}))
+    setting = SimpleNamespace(data="parity", model="fbt_window8_jitter", length="s3000")
+    found = demo.study_baselines(study, {"runs": runs}, setting)
+    assert found == [{"source": ["baseline", "s3000", s], "seed": s} for s in (1, 2)]
+    assert demo.baseline_source(found, setting) == ("The baseline rows are the study's baseline trained as long (s3000; "
+                                                    "seeds 1, 2), read from its shipped records, not trained by the demo.")
+    assert demo.study_baselines(study, None, setting) == []
+
+
 def test_compute_for_data_paragraph_quotes_the_runs_and_the_study():
     rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512, 3.78], k=2), lm_row("baseline", 16, [3.9001], "fbt_k2")]
     text = demo.lm_findings(rows, verdict([-0.05, -0.02, -0.03], 3), {"tokens": 100_000, "documents": 22})
@@ -102,6 +128,7 @@ def test_state_tracking_table_and_paragraph_follow_the_numbers():
     assert "| positions 1–4 (1x) | 5–8 (2x) | 9–16 (4x) |" in table
     assert "| FBT, full recurrence | 1.000 (1.00–1.00) | 1.000 (1.00–1.00) | 1.000 (1.00–1.00) |" in table
     text = demo.task_findings("parity", won)
+    assert text.startswith("**parity, trained at length 4, tested to length 16 (chance 0.50); FBT: 2 seeds, the baseline: 2 seeds.**")
     assert "the baseline is at chance, 0.510" in text and "right at every position in every seed" in text
     assert "in 2 of 2 seeds, FBT after 3 fused passes in 0, the baseline in 0" in text and "not enough" in text
     assert "(positions 4–4) the baseline is 0.850 (0.85–0.85), FBT after 3 fused passes 0.850 (0.85–0.85) and " \

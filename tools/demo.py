@@ -11,7 +11,8 @@ Two comparisons of a baseline and FBT, each the small ``demo`` grid of a study b
   * state tracking (``recipes/studies/state_tracking.yaml``): running parity trained at length 32,
     accuracy by position up to 4× that, of the baseline and of FBT's full recurrence; one seed of
     an FBT setting, run only when it held in every seed and thread count of the study (the paragraph
-    quotes those runs).
+    quotes those runs), beside the study's baseline runs trained as long (their shipped records:
+    the baseline is not trained again, for the demo's time).
 
 When no comparison held in every seed, the demo trains the FBT run of the compute-for-data ``demo``
 grid alone and shows its validation losses and one prompt decoded in each mode (standard, soft,
@@ -46,7 +47,7 @@ LM, TASK = "compute_for_data", "state_tracking"
 FULL_GRIDS = {LM: ["cut", "cut_mix", "cut_e4", "wide", "wide_e8", "cut_300k", "cut_300k_e12", "cut_300k_frontier",
                    "cut_300k_mix"],  # what docs/evidence.md reports
               TASK: ["screen", "baselines", "more", "more2", "threads2_recipe", "more3", "more4", "more5", "more6",
-                     "threads2_jitter", "more7"]}
+                     "threads2_jitter", "more7", "baselines_s3000"]}
 PAPER = "1B parameters trained on 100B tokens"
 
 
@@ -95,6 +96,18 @@ def seed_list(seeds: List[int]) -> str:
     return ", ".join(map(str, seeds))
 
 
+def study_baselines(study, results: Optional[dict], run) -> List[dict]:
+    """The evaluations of the study's baseline runs trained as long as ``run`` on its data, by seed,
+    from their shipped records (``docs/evidence/<study>/records``; runs reported before records are left out)."""
+    records = EVIDENCE / study.name / "records"
+    runs = sorted((r for r in (results or {}).get("runs", [])
+                   if r["model"] == "baseline" and (r["data"], r["length"]) == (run.data, run.length)),
+                  key=lambda r: (r["threads"], r["seed"]))
+    files = [(r["seed"], study.run_folder(records, r["data"], r["model"], r["length"], r["seed"], r["threads"]) / "eval.json")
+             for r in runs]
+    return [{**json.loads(f.read_text()), "seed": seed} for seed, f in files if f.is_file()]
+
+
 def task_study(results: dict, run) -> str:
     """The study's runs of ``run``'s setting, in words (shown beside the demo's own seed)."""
     runs = [r for r in results["runs"] if (r["data"], r["model"], r["length"]) == (run.data, run.model, run.length)]
@@ -104,6 +117,12 @@ def task_study(results: dict, run) -> str:
     where = " and ".join(f"seeds {seed_list(seeds)} at {plural(t, 'thread')}" for t, seeds in sorted(by_threads.items()))
     return (f"In the study behind docs/evidence.md this setting ({run.model}, {run.length}) held in all "
             f"{len(runs)} of its runs ({where}): its full recurrence at least {HELD} accurate in every position bucket.")
+
+
+def baseline_source(baselines: List[dict], run) -> str:
+    """Where the demo's baseline rows come from: the study's runs, not trained here."""
+    return (f"The baseline rows are the study's baseline trained as long ({run.length}; seeds "
+            f"{seed_list([b['seed'] for b in baselines])}), read from its shipped records, not trained by the demo.")
 
 
 def lm_left_out(verdict: dict) -> str:
@@ -213,8 +232,9 @@ def task_findings(task: str, results: Dict[str, List[dict]]) -> str:
     most = [m for m in first["accuracy"] if m != FULL][-1]  # "3 fused": the most fused passes validated
     acc = lambda model, mode, b: [r["accuracy"][mode][b] for r in results[model]]  # noqa: E731
     base = lambda b: acc("baseline", "0 fused", b)  # noqa: E731
-    text = (f"**{task}, {seeds} seed{'s' if seeds > 1 else ''}, trained at length {t}, tested to length "
-            f"{first['test_length']} (chance {chance:.2f}).** Within the training length the baseline is at "
+    text = (f"**{task}, trained at length {t}, tested to length {first['test_length']} (chance {chance:.2f}); FBT: "
+            f"{plural(seeds, 'seed')}, the baseline: {plural(len(results['baseline']), 'seed')}.** Within the training "
+            f"length the baseline is at "
             f"{spread(base(buckets[0]))}, FBT at {spread(acc('FBT', '0 fused', buckets[0]))} with no fused pass, "
             f"{spread(acc('FBT', most, buckets[0]))} after {most} passes and {spread(acc('FBT', FULL, buckets[0]))} "
             "with the full recurrence. ")
@@ -230,7 +250,7 @@ def task_findings(task: str, results: Dict[str, List[dict]]) -> str:
     full, few, baseline = solved(acc("FBT", FULL, last)), solved(acc("FBT", most, last)), solved(base(last))
     text += (f"At ≥ 0.95 up to the longest positions ({where[last]}): FBT's full recurrence (k = T passes, the same "
              f"as running FBT position by position, each fed the previous position's final state) in {full} of "
-             f"{seeds} seeds, FBT after {most} passes in {few}, the baseline in {baseline}. ")
+             f"{seeds} seeds, FBT after {most} passes in {few}, the baseline in {baseline} of {len(results['baseline'])}. ")
     if full > baseline:
         text += ("A model of fixed depth has to find a shortcut for the whole prefix at once; FBT's carried state "
                  "lets it learn one step of the recurrence instead, which then runs as far as the passes go")
@@ -305,9 +325,9 @@ def plot(lm_rows: List[dict], frontier: Optional[float], tasks: Dict[str, Dict[s
         ax.text(first["train_length"], 0.03, " training length", color="gray", fontsize=8)
         ax.axhline(first["chance"], color="gray", lw=0.8, ls="--")
         ax.set_ylim(0, 1.03)
+        seeds = {model: plural(len(runs), "seed") for model, runs in results.items()}
         ax.set(xlabel="position", ylabel="accuracy (higher is better)",
-               title=f"state tracking, {task}: " + (f"mean of {len(results['FBT'])} seeds (band: min–max)"
-                                                    if len(results["FBT"]) > 1 else "one seed"))
+               title=f"state tracking, {task}: FBT {seeds['FBT']}, baseline {seeds['baseline']} (mean; band: min–max)")
         ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -343,9 +363,8 @@ def main(argv=None) -> int:
     demo_fbt = [(c["data"][0], m, f"e{e:g}") for c in lm.grid("demo")["cells"] for m in c["models"]
                 if not m.startswith("baseline") for e in c["epochs"]]
     verdict = lm_verdict(summary, *demo_fbt[0]) if demo_fbt else None
-    task_runs = studies.runs_of_grids([(task, "demo")], out)
-    fbt_task = [r for r in task_runs if not is_baseline(r) and task_held(task_results, r)]  # settings that held
-    task_runs = fbt_task + [r for r in task_runs if is_baseline(r)] if fbt_task else []
+    task_runs = [r for r in studies.runs_of_grids([(task, "demo")], out)  # settings that held, with baselines to compare
+                 if task_held(task_results, r) and study_baselines(task, task_results, r)]
     alone = not held(verdict) and not task_runs and verdict is not None  # nothing held: one FBT run of the study
     lm_runs = studies.runs_of_grids([(lm, "demo")], out, show=True) if held(verdict) or alone else []
     runs = [r for r in lm_runs if not (alone and is_baseline(r))] + task_runs
@@ -370,20 +389,17 @@ def main(argv=None) -> int:
         folder = next(r.folder for r in runs if r.study == LM)
         sections += ["## One FBT run", study_results.lm_table(study_results.cell_results(lm_rows)),
                      run_findings(lm_rows[0], subset), samples(folder)]
-    for r in runs:
-        if r.study == TASK:
-            family = "baseline" if r.model.startswith("baseline") else "FBT"
-            tasks.setdefault(r.data, {"baseline": [], "FBT": []})[family].append(json.loads((r.folder / "eval.json").read_text()))
+    for r in task_runs:
+        result = tasks.setdefault(r.data, {"baseline": study_baselines(task, task_results, r), "FBT": []})
+        result["FBT"].append(json.loads((r.folder / "eval.json").read_text()))
     for name, result in tasks.items():
-        if not result["FBT"]:
-            continue
-        setting = next(r for r in fbt_task if r.data == name)
-        sections += [f"## State tracking: {name}", task_table(result),
-                     task_findings(name, result) + " " + task_study(task_results, setting)]
-    tasks = {k: v for k, v in tasks.items() if v["FBT"]}
+        setting = next(r for r in task_runs if r.data == name)
+        words = [task_findings(name, result), task_study(task_results, setting), baseline_source(result["baseline"], setting)]
+        sections += [f"## State tracking: {name}", task_table(result), " ".join(words)]
     if not tasks:
         sections += ["## State tracking", not_shown(TASK, task_results is not None,
-                                                    "no FBT setting held in every seed and thread count tried")]
+                                                    "no FBT setting held in every seed and thread count tried "
+                                                    "beside a baseline trained as long")]
     minutes = (time.time() - start) / 60
     sections.append(f"{minutes:.1f} min in all on this machine ({plural(len(runs), 'run')}; {args.jobs} at a time, 1 thread each).")
     text = "\n\n".join(sections) + "\n"

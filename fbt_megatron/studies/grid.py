@@ -91,6 +91,9 @@ class Study:
     def subset_folder(self, root: Path, data: str) -> Path:
         return root / "data" / f"{self.name}-{data}"
 
+    def run_folder(self, root: Path, data: str, model: str, length: str, seed: int, threads: int) -> Path:
+        return root / self.name / data / model / length / f"seed{seed}-t{threads}"
+
     def grid(self, name: str) -> dict:
         """The grid ``name`` (ValueError naming the grids there are)."""
         if name not in self.grids:
@@ -234,7 +237,7 @@ def _run(study, root, data, model, epochs, steps, compute_of, seed, threads, rec
     every = recipe.logging.log_interval  # validation happens on logged steps only
     interval = every * max(1, math.ceil(steps / study.validations / every))
     length = _length_name(epochs, None if epochs is not None else steps, compute_of)
-    folder = root / study.name / data / model / length / f"seed{seed}-t{threads}"
+    folder = study.run_folder(root, data, model, length, seed, threads)
     flags += ["--seed", str(seed), "--threads", str(threads), "--train-iters", str(steps),
               "--eval-interval", str(interval), "--save-interval", str(interval), "--keep-last-n-checkpoints", "1",
               "--data-cache-path", str(folder / "data_cache")]
