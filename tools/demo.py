@@ -327,7 +327,7 @@ def plot(lm_rows: List[dict], frontier: Optional[float], tasks: Dict[str, Dict[s
         ax.set_ylim(0, 1.03)
         seeds = {model: plural(len(runs), "seed") for model, runs in results.items()}
         ax.set(xlabel="position", ylabel="accuracy (higher is better)",
-               title=f"state tracking, {task}: FBT {seeds['FBT']}, baseline {seeds['baseline']} (mean; band: min–max)")
+               title=f"state tracking, {task}\nFBT: {seeds['FBT']}; baseline: {seeds['baseline']} (mean; band: min–max)")
         ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
