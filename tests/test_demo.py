@@ -96,13 +96,26 @@ def test_the_task_baseline_is_the_study_s_runs_trained_as_long(tmp_path, monkeyp
 
 def test_compute_for_data_paragraph_quotes_the_runs_and_the_study():
     rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512, 3.78], k=2), lm_row("baseline", 16, [3.9001], "fbt_k2")]
-    text = demo.lm_findings(rows, verdict([-0.05, -0.02, -0.03], 3), {"tokens": 100_000, "documents": 22})
+    text = demo.lm_findings(rows, verdict([-0.05, -0.02, -0.03], 3), {"tokens": 100_000, "documents": 22}, [])
     assert "100,000 tokens (22 whole documents" in text
     assert "the baseline's validation loss is 3.8100 and FBT's (k = 2 passes on every step, decoded without fused passes) 3.7512" in text
     assert "the baseline given FBT's compute (16 epochs, 1,600,000 compute tokens) ends at 3.9001" in text
     assert "(3 seeds), FBT ended below the baseline's best final loss at any number of epochs tried in every seed, " \
            "by 0.0333 on average (0.0200 to 0.0500)" in text
     assert "1B parameters trained on 100B tokens" in text
+
+
+def test_the_paragraph_says_where_else_the_study_tried_the_same_run():
+    here = verdict([-0.05, -0.02, -0.03], 3)
+    elsewhere = [{**verdict([0.02, -0.01, 0.03], 1), "data": "1m"}, {**verdict([-0.01, -0.02, -0.03], 3), "data": "300k"},
+                 {**verdict([0.1], 0), "model": "fbt_mix"}, here]  # another model, and this very cell: not counted
+    others = demo.other_subsets([{"per_cell": elsewhere[:2]}, {"per_cell": elsewhere[2:]}], here)
+    assert [v["data"] for v in others] == ["1m", "300k"]
+    rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512], k=2)]
+    text = demo.lm_findings(rows, here, {"tokens": 100_000, "documents": 22}, others)
+    assert ("On the study's other subsets the same FBT run ended below the baseline's best in 1 of 3 seeds on 1m, "
+            "3 of 3 seeds on 300k: it held on this subset, not on every subset the study tried.") in text
+    assert demo.lm_findings(rows, here, {"tokens": 100_000, "documents": 22}, others[1:]).count("the answer holds on each.") == 1
 
 
 def task_result(values: dict, train_length=4):

@@ -57,6 +57,17 @@ def shipped(study: str, name: str) -> Optional[dict]:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def every_report(study: str, name: str) -> List[dict]:
+    """``name`` of every shipped report of ``study`` (``docs/evidence/<study>*/``: a grid may be reported on its own)."""
+    return [json.loads(p.read_text()) for p in sorted(EVIDENCE.glob(f"{study}*/{name}"))]
+
+
+def other_subsets(summaries: List[dict], verdict: dict) -> List[dict]:
+    """The study's verdicts on the same FBT run on its other subsets."""
+    return [v for s in summaries for v in s["per_cell"]
+            if (v["model"], v["length"]) == (verdict["model"], verdict["length"]) and v["data"] != verdict["data"]]
+
+
 def lm_verdict(summary: Optional[dict], data: str, model: str, length: str) -> Optional[dict]:
     """The study's verdict on this FBT cell (its seeds, and in how many its standard pass (0 fused)
     ended below the baseline's best final validation loss); None when the study has not run it."""
@@ -135,9 +146,9 @@ def lm_left_out(verdict: dict) -> str:
         f"{verdict['data']} tokens is no, and one seed of it would show a single trajectory, not a result"))
 
 
-def lm_findings(rows: List[dict], verdict: dict, subset: dict) -> str:
+def lm_findings(rows: List[dict], verdict: dict, subset: dict, others: List[dict]) -> str:
     """One paragraph on the compute-for-data comparison (shown only when it held in every seed of the
-    study): this demo's runs, then the study's seeds."""
+    study): this demo's runs, then the study's seeds, then the same FBT run on the study's other subsets."""
     fbt = next(r for r in rows if not r["model"].startswith("baseline"))
     same = next(r for r in rows if r["model"].startswith("baseline") and r["compute_of"] is None)
     equal = next((r for r in rows if r["compute_of"] == fbt["model"]), None)
@@ -152,6 +163,11 @@ def lm_findings(rows: List[dict], verdict: dict, subset: dict) -> str:
     text += (f". In the study behind docs/evidence.md ({verdict['seeds']} seeds), FBT ended below the baseline's best "
              f"final loss at any number of epochs tried in every seed, by {-gap['mean']:.4f} on average "
              f"({-gap['max']:.4f} to {-gap['min']:.4f}).")
+    if others:
+        text += (" On the study's other subsets the same FBT run ended below the baseline's best in " +
+                 ", ".join(f"{v['fused0_below_frontier']} of {v['seeds']} seeds on {v['data']}" for v in others) +
+                 (": the answer holds on each." if all(held(v) for v in others) else
+                  ": it held on this subset, not on every subset the study tried."))
     text += (f" This is a micro-scale run of the paper's trade (compute spent as passes on a fixed corpus); the "
              f"paper's claims are for {PAPER}.")
     return text
@@ -380,7 +396,7 @@ def main(argv=None) -> int:
         base = [c for c in shipped(LM, "results.json")["cells"] if c["data"] == lm_rows[0]["data"] and c["model"] == "baseline"]
         frontier = min(c["valid"][0]["mean"] for c in base)
         sections += ["## Compute for data", study_results.lm_table(study_results.cell_results(lm_rows)),
-                     lm_findings(lm_rows, verdict, subset)]
+                     lm_findings(lm_rows, verdict, subset, other_subsets(every_report(LM, "summary.json"), verdict))]
     else:
         sections += ["## Compute for data", lm_left_out(verdict) if verdict else not_shown(LM, False, "")]
     if alone:
