@@ -197,3 +197,10 @@ def test_with_no_comparison_held_the_one_fbt_run_is_plotted_alone():
     text = demo.run_findings(lm_row("fbt_k2", 8, [3.7512, 3.7801], k=2), {"tokens": 100_000, "documents": 22})
     assert "No comparison of docs/evidence.md held in every seed" in text and "not a result" in text
     assert "validation loss 3.7512 after 0 fused prefill passes and 3.7801 after 1 fused prefill pass" in text
+
+
+def test_the_full_option_reruns_every_shipped_report_with_its_grids():
+    shipped = sorted(p.parent.name for p in demo.EVIDENCE.glob("*/results.json"))
+    assert sorted(folder for _, folder, _ in demo.FULL_REPORTS) == shipped
+    for _, folder, grids in demo.FULL_REPORTS:
+        assert list(json.loads((demo.EVIDENCE / folder / "results.json").read_text())["wall_by_grid"]) == grids

@@ -44,10 +44,13 @@ ROOT = Path(__file__).resolve().parent.parent
 STUDIES = ROOT / "recipes" / "studies"
 EVIDENCE = ROOT / "docs" / "evidence"
 LM, TASK = "compute_for_data", "state_tracking"
-FULL_GRIDS = {LM: ["cut", "cut_mix", "cut_e4", "wide", "wide_e8", "cut_300k", "cut_300k_e12", "cut_300k_frontier",
-                   "cut_300k_mix"],  # what docs/evidence.md reports
-              TASK: ["screen", "baselines", "more", "more2", "threads2_recipe", "more3", "more4", "more5", "more6",
-                     "threads2_jitter", "more7", "baselines_s3000"]}
+FULL_REPORTS = [  # what docs/evidence.md reports: (study, its report's folder under docs/evidence/, grids)
+    (LM, LM, ["cut", "cut_mix", "cut_e4", "wide", "wide_e8", "cut_300k", "cut_300k_e12", "cut_300k_frontier", "cut_300k_mix"]),
+    (LM, f"{LM}_1m", ["cut_1m"]),
+    (LM, f"{LM}_300k_cap", ["cut_300k_cap"]),
+    (TASK, TASK, ["screen", "baselines", "more", "more2", "threads2_recipe", "more3", "more4", "more5", "more6",
+                  "threads2_jitter", "more7", "baselines_s3000"]),
+]
 PAPER = "1B parameters trained on 100B tokens"
 
 
@@ -368,11 +371,12 @@ def main(argv=None) -> int:
     start = time.time()
     lm, task = load_study(STUDIES / f"{LM}.yaml"), load_study(STUDIES / f"{TASK}.yaml")
     if args.full:
-        pairs = [(lm, g) for g in FULL_GRIDS[LM]] + [(task, g) for g in FULL_GRIDS[TASK]]
+        reports = [({LM: lm, TASK: task}[name], folder, grids) for name, folder, grids in FULL_REPORTS]
+        pairs = [(study, g) for study, _, grids in reports for g in grids]
         failed = studies.run(studies.runs_of_grids(pairs, out, show=True), args.jobs, args.jobs, args.nice).failed
-        for study, grids in ((lm, FULL_GRIDS[LM]), (task, FULL_GRIDS[TASK])):
-            studies.report(study, grids, out, out / study.name, partial=bool(failed))
-            print(f"wrote {out / study.name}: compare with docs/evidence/{study.name}/")
+        for study, folder, grids in reports:
+            studies.report(study, grids, out, out / folder, partial=bool(failed))
+            print(f"wrote {out / folder}: compare with docs/evidence/{folder}/")
         return 1 if failed else 0
 
     summary, task_results = shipped(LM, "summary.json"), shipped(TASK, "results.json")

@@ -72,7 +72,7 @@ def plot_lm(results: dict, path: Path):
             low = min(min(p["valid"][0] for p in r["curve"]) for k in mine for r in groups[k])
             ax.set_ylim(low - 0.05, top + 0.1)  # the end of training, where the comparison is
             ax.legend(fontsize=7)
-    fig.suptitle(results["title"] + "; mean over seeds, band: min–max", fontsize=10)
+    fig.suptitle(results["title"] + "\nmean over seeds, band: min–max", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return fig
