@@ -29,10 +29,10 @@ def test_the_data_constrained_comparison_quotes_whether_it_held_in_every_seed():
     assert demo.lm_verdict({"per_cell": [not_held]}, "100k", "fbt_k2", "e8") == not_held and not demo.held(not_held)
     assert demo.lm_verdict({"per_cell": [held]}, "100k", "fbt_k2", "e4") is None  # not studied: not run
     assert demo.lm_verdict(None, "100k", "fbt_k2", "e8") is None
-    text = demo.lm_left_out(not_held)  # not run: one line with the study's numbers instead
+    text = demo.lm_left_out([not_held])  # not run: one line with the study's numbers instead
     assert text.startswith("Not shown: in the study behind docs/evidence.md, FBT (fbt_k2, e8) ended below the baseline's best")
-    assert "in 2 of 3 seeds (FBT minus that best: -0.0233 on average, -0.0500 to +0.0100)" in text
-    assert "the study's answer on 100k tokens is no" in text and "(the numbers: docs/evidence/compute_for_data/)" in text
+    assert "in 2 of 3 seeds on 100k (FBT minus that best: -0.0233 on average, -0.0500 to +0.0100)" in text
+    assert "the study's answer is no," in text and "(the numbers: docs/evidence/compute_for_data/)" in text
 
 
 def test_a_comparison_left_out_says_why():
@@ -105,17 +105,19 @@ def test_compute_for_data_paragraph_quotes_the_runs_and_the_study():
     assert "1B parameters trained on 100B tokens" in text
 
 
-def test_the_paragraph_says_where_else_the_study_tried_the_same_run():
+def test_a_subset_that_held_among_others_that_did_not_is_left_out():
     here = verdict([-0.05, -0.02, -0.03], 3)
     elsewhere = [{**verdict([0.02, -0.01, 0.03], 1), "data": "1m"}, {**verdict([-0.01, -0.02, -0.03], 3), "data": "300k"},
                  {**verdict([0.1], 0), "model": "fbt_mix"}, here]  # another model, and this very cell: not counted
     others = demo.other_subsets([{"per_cell": elsewhere[:2]}, {"per_cell": elsewhere[2:]}], here)
     assert [v["data"] for v in others] == ["1m", "300k"]
-    rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512], k=2)]
-    text = demo.lm_findings(rows, here, {"tokens": 100_000, "documents": 22}, others)
-    assert ("On the study's other subsets the same FBT run ended below the baseline's best in 1 of 3 seeds on 1m, "
-            "3 of 3 seeds on 300k: it held on this subset, not on every subset the study tried.") in text
-    assert demo.lm_findings(rows, here, {"tokens": 100_000, "documents": 22}, others[1:]).count("the answer holds on each.") == 1
+    text = demo.lm_left_out([here, *others])  # held here and on 300k, not on 1m: not shown
+    assert ("in 3 of 3 seeds on 100k (FBT minus that best: -0.0333 on average, -0.0500 to -0.0200); 1 of 3 seeds on 1m "
+            "(FBT minus that best: +0.0133 on average, -0.0100 to +0.0300); 3 of 3 seeds on 300k") in text
+    assert "the study's answer is no on 1 of the 3 subsets it tried" in text
+    rows = [lm_row("baseline", 8, [3.81]), lm_row("fbt_k2", 8, [3.7512], k=2)]  # held on every subset: shown
+    text = demo.lm_findings(rows, here, {"tokens": 100_000, "documents": 22}, others[1:])
+    assert "It held in every seed on the study's other subsets too (300k)." in text
 
 
 def task_result(values: dict, train_length=4):
