@@ -64,3 +64,14 @@ $(VENV312)/.installed: requirements-mcore-latest.txt pyproject.toml
 .PHONY: test-mcore-latest
 test-mcore-latest: $(VENV312)/.installed
 	$(VENV312)/bin/python -m pytest -q $(MCORE_LATEST_TESTS)
+
+# ---- GPU nodes without internet (docs/gpu.md): the wheels the GPU path needs for Python 3.12 on x86-64,
+# except what an NGC PyTorch container has (torch, Transformer Engine, Apex). Downloads from PyPI.
+# wheelhouse-check installs it offline into a fresh Python 3.12 venv (torch a stand-in).
+WHEELHOUSE ?= wheelhouse
+.PHONY: wheelhouse wheelhouse-check
+wheelhouse:
+	$(PY) tools/wheelhouse.py --output $(WHEELHOUSE)
+
+wheelhouse-check:
+	$(PY) tools/wheelhouse.py --output $(WHEELHOUSE) --check

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -30,16 +30,17 @@ from fbt_megatron.recipe import nan_injections
 
 
 @torch.no_grad()
-def optimizer_step(optimizer) -> Tuple[bool, Optional[float]]:
+def optimizer_step(optimizer, veto: Optional[Callable[[float], bool]] = None) -> Tuple[bool, Optional[float]]:
     """(updated, global gradient norm) of one step of a megatron-core optimizer (FP32, mixed
     precision, distributed, chained, layer-wise); no update when the norm is not finite, nor when
-    the fp16 loss scaler found an overflow (norm None: its scale is lowered, as in megatron-core)."""
+    the fp16 loss scaler found an overflow (norm None: its scale is lowered, as in megatron-core),
+    nor when ``veto(norm)`` (a spike: ``resilience.spikes``)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     if optimizer.prepare_grads():
         return False, None
     grad_norm = optimizer.get_grad_norm()
-    if not math.isfinite(grad_norm):
+    if not math.isfinite(grad_norm) or (veto is not None and veto(grad_norm)):
         return False, grad_norm
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if inner.config.clip_grad > 0.0 and not getattr(inner, "is_stub_optimizer", False) and inner.get_parameters():

@@ -107,7 +107,10 @@ class TrainState:
     lr_schedule: dict = field(default_factory=dict)  # the curve the optimizer followed (``optimizers.schedule.lr_schedule``)
     recipe: dict = field(default_factory=dict)  # the whole recipe of the run's latest stretch (``runs.load_run``)
     vocab_size: int = 0  # the embedding's (padded) vocabulary size
-    skipped_steps: int = 0  # steps whose update was skipped (NaN/Inf gradient norm: ``bad_steps``)
+    skipped_steps: int = 0  # steps whose update was skipped (NaN/Inf gradient norm: ``bad_steps``; spikes)
+    spike_window: list = field(default_factory=list)  # the latest finite gradient norms (``resilience.spikes``)
+    spikes: int = 0  # steps whose gradient norm spiked
+    rewinds: int = 0  # returns to an earlier checkpoint after a spike
 
     def advance(self, passes: int, samples: int, tokens: int, skipped_steps: int) -> None:
         """After a step of ``passes`` passes over ``samples`` sequences of ``tokens`` tokens in all."""

@@ -31,12 +31,29 @@ def run_cli(main: Callable[[], int | None]) -> NoReturn:
     try:
         code = main()
     except (ValueError, FileNotFoundError) as e:
+        line = "error: " + " ".join(str(e).split())
         if os.environ.get("RANK", "0") == "0":
-            print("error: " + " ".join(str(e).split()), file=sys.stderr)
+            print(line, file=sys.stderr)
+        _tell_torchrun(line)
         sys.exit(2)
     if started_here and _process_group():
         sys.modules["torch.distributed"].destroy_process_group()
     sys.exit(code)
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, the ``error:`` line also goes to this worker's error file (torch elastic's
+    ``TORCHELASTIC_ERROR_FILE``, its format, with the time to the microsecond): torchrun stops the
+    other workers as soon as one fails, often before rank 0 has said anything, and
+    ``stopping.torchrun`` prints the line of the rank that failed first from there."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+
+        now = time.time()
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": int(now), "time": now}}}, f)
 
 
 def _process_group() -> bool:

@@ -56,6 +56,8 @@ GROUPS = [
 ]
 
 
+REPEATABLE = ("inject_fault",)  # list fields whose flag may be given again: the values add up, in order
+
 EPILOG = ("Values are YAML: --pass-phases '[{start: 0.75, passes: 2}]', --train-data-path '[0.7, a, 0.3, b]', "
           "null for none. A BOOL flag alone means true.")
 
@@ -163,7 +165,7 @@ def build_parser(recipe: Recipe, prog: str, description: str, show_all: bool = F
         text = re.sub(r"``([^`]+)``", lambda m: flag(m[1]) if m[1] in fields else m[1], docs[section].get(name, ""))
         if not (value is None and "default" in text):  # the description says what null means
             text = f"{text} (default: {show(value)})".lstrip()
-        extra = dict(nargs="?", const="true") if hint is bool else {}
+        extra = dict(nargs="?", const="true") if hint is bool else dict(action="append") if name in REPEATABLE else {}
         group.add_argument(flag(name), dest=f"{section}.{name}", default=None, metavar=metavar(hint),
                            help=argparse.SUPPRESS if hidden else text, **extra)
         shown.add((section, name))
@@ -216,10 +218,9 @@ def apply_overrides(recipe: Recipe, args: argparse.Namespace) -> Recipe:
         if "." not in dest or text is None:
             continue
         section, name = dest.split(".", 1)
-        try:
-            value: Any = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
+        value: Any = _yaml(text)
+        if isinstance(text, list):  # a repeatable flag: every occurrence's values, in order
+            value = [v for item in value for v in (item if isinstance(item, list) else [item])]
         where = flag(name)
         if section == "model":
             if name == "preset":
@@ -230,6 +231,16 @@ def apply_overrides(recipe: Recipe, args: argparse.Namespace) -> Recipe:
             target = getattr(recipe, section)
             setattr(target, name, check(value, hints(type(target))[name], where))
     return recipe
+
+
+def _yaml(text):
+    """A flag's value (or a repeated flag's values) as YAML; text that is not YAML stays text."""
+    if isinstance(text, list):
+        return [_yaml(t) for t in text]
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def parse(argv: Optional[Sequence[str]], prog: str, description: str) -> Recipe:

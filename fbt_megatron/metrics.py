@@ -1,4 +1,5 @@
-"""Training logs: one record per logged step, to stdout, TensorBoard and ``<save>/metrics.jsonl``.
+"""Training logs: one record per logged step, to stdout, TensorBoard, ``<save>/metrics.jsonl`` and
+Weights & Biases (``--wandb-project``: ``monitoring.wandb_writer``, the TensorBoard tags).
 
 ``TrainingLog`` makes the records: the window of steps since the last one (its time, throughput and
 MFU), the losses, the pass schedule's phase and shares, the z-loss, validation; ``header`` and
@@ -57,6 +58,8 @@ def tensorboard_scalars(record: dict) -> dict:
             out.update({f"fbt/lm loss pass{j}": v for j, v in enumerate(value, start=1)})
         elif key == "state_deltas":  # ‖s^{(j)} − s^{(j−1)}‖ for passes 2..k
             out.update({f"fbt/state delta pass{j}": v for j, v in enumerate(value, start=2)})
+        elif key in ("param_norms", "grad_norms"):  # per layer (monitoring.norms)
+            out.update({f"{'params-norm' if key == 'param_norms' else 'grad-norm'}/{name}": v for name, v in value.items()})
         elif key == "k_share":  # the share of steps so far that ran k passes
             out.update({f"fbt/pass-share k{k}": v for k, v in value.items()})
         elif key.startswith("valid_loss_fused"):
@@ -87,10 +90,11 @@ class PassShares:
 
 class MetricsLogger:
     def __init__(self, folder: Optional[str], active: bool = True, tensorboard: bool = True,
-                 tensorboard_dir: Optional[str] = None, resume_from: int = 0):
+                 tensorboard_dir: Optional[str] = None, resume_from: int = 0, wandb=None):
         """``active`` False: this rank does not log. ``folder`` None: no metrics file (and no
-        TensorBoard unless ``tensorboard_dir`` is given). ``resume_from``: the step the run resumes at."""
-        self.active = active
+        TensorBoard unless ``tensorboard_dir`` is given). ``resume_from``: the step the run resumes at.
+        ``wandb``: a ``monitoring.wandb_writer.WandbWriter`` that gets TensorBoard's scalars too."""
+        self.active, self.wandb = active, wandb
         self.file = self.writer = self.last = None
         if not active:
             return
@@ -119,6 +123,8 @@ class MetricsLogger:
             for tag, value in tensorboard_scalars(record).items():
                 self.writer.add_scalar(tag, value, record["step"])
             self.writer.flush()
+        if self.wandb:
+            self.wandb.log(tensorboard_scalars(record), record["step"])
 
     def close(self, state=None) -> None:
         """Ends the log with a summary line of the step reached (``state``, a ``TrainState``; else
@@ -132,6 +138,8 @@ class MetricsLogger:
             self.file.close()
         if self.writer:
             self.writer.close()
+        if self.wandb:
+            self.wandb.close()
 
 
 class TrainingLog:
@@ -139,20 +147,28 @@ class TrainingLog:
     (``start_step`` / ``end_step``); a logged step (every ``--log-interval`` and the last) makes a
     record: the objective and the per-pass losses (averaged over the data-parallel ranks), ‖Δs‖,
     learning rate, gradient norm, skipped steps, the window's time per step and throughput, tokens,
-    MFU (``plan.flops.Throughput``), the pass phase and shares (``PassShares``), the z-loss and, when
+    MFU (``plan.flops.Throughput``), the pass phase and shares (``PassShares``), the z-loss, every
+    ``--log-layer-norms-interval`` steps each layer's norms (``monitoring.norms``) and, when
     due, the validation losses (``validate()``). Only the last pipeline stage (``active``) has the
-    losses and logs; the other stages take part in validation."""
+    losses and logs, and writes the heartbeat (``monitoring.heartbeat``); the other stages take part
+    in validation."""
 
     def __init__(self, recipe, config, passes, state, validate: Callable[[], dict], active: bool):
         import torch.distributed as dist
 
+        from fbt_megatron.monitoring.heartbeat import Heartbeat
+        from fbt_megatron.monitoring.wandb_writer import WandbWriter, require_wandb
         from fbt_megatron.plan.flops import Throughput
         from fbt_megatron.plan.gpus import peak_tflops
 
         c, g = recipe.checkpoint, recipe.logging
         self.recipe, self.config, self.validate, self.active = recipe, config, validate, active
+        if g.wandb_project:
+            require_wandb()  # on every rank: a missing package is one line from all of them
         self.logger = MetricsLogger(c.save, active=active, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
-                                    resume_from=state.iteration)
+                                    resume_from=state.iteration,
+                                    wandb=WandbWriter(recipe) if g.wandb_project and active else None)
+        self.heartbeat = Heartbeat(c.save, g.heartbeat_interval, recipe.training.train_iters, active=active)
         self.throughput = Throughput(config, dist.get_world_size(), peak_tflops(g.peak_tflops), state.tokens, state.compute_tokens)
         self.pass_shares = PassShares(passes)
         self.records, self.window_time, self.window_steps, self.started = [], 0.0, 0, 0.0
@@ -168,6 +184,7 @@ class TrainingLog:
         """After the step (``step.StepResult``, k passes) that brought ``state`` to its iteration."""
         self.window_time += time.perf_counter() - self.started
         self.window_steps += 1
+        self.heartbeat.beat(state)
         t = self.recipe.training
         if not self.due(state.iteration):
             return
@@ -206,12 +223,15 @@ class TrainingLog:
         }
         record.update(self.throughput.fields(record))  # tokens/s and model TFLOP/s per GPU, MFU (fbt_megatron.plan.flops)
         record.update(self.pass_shares(state.iteration))  # the step's pass-schedule phase, the share of each k so far
+        record.update(step.layer_norms or {})  # param_norms, grad_norms: {layer: norm}
         if "z_loss" in report:  # `loss` is the objective, cross-entropy + z; `pass_losses` stay cross-entropy
             record.update(z_loss=report["z_loss"], loss=record["loss"] + report["z_loss"])
         return record
 
     def close(self, state) -> None:
-        """The log's end: its summary line says the step ``state`` reached (a stop may come between logged steps)."""
+        """The log's end: its summary line says the step ``state`` reached (a stop may come between
+        logged steps); the heartbeat says it too."""
+        self.heartbeat.beat(state, force=True)
         self.logger.close(state)
 
 
@@ -240,9 +260,13 @@ def header(recipe, model, vocab: int, data, schedule: dict, start: int) -> str:
 
 
 def validation_note(valid, recipe) -> Optional[str]:
-    """A warning when validation asks for more sequences than the validation split holds (they
-    repeat, so the loss is measured on less text than it seems)."""
-    t, length = recipe.training, recipe.data.seq_length
+    """A note when validation reads the training blend (``--train-data-path`` without
+    ``--valid-data-path``), a warning when it asks for more sequences than the validation split
+    holds (they repeat, so the loss is measured on less text than it seems)."""
+    t, length, d = recipe.training, recipe.data.seq_length, recipe.data
+    if t.eval_iters and d.train_data_path is not None and d.valid_data_path is None:
+        return ("note: validation reads the training data (--train-data-path, no --valid-data-path): its loss is "
+                "measured on sequences trained on; give --valid-data-path a held-out blend to measure generalization")
     documents = getattr(valid, "dataset", None)
     if documents is None or not hasattr(valid, "indices"):  # a blend or another dataset class
         return None

@@ -222,6 +222,7 @@ def init_distributed(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             context_parallel_size=context_parallel_size,
+            distributed_timeout_minutes=max(1, -(-timeout_s // 60)),
         )
     seed(seed_value)
 

@@ -101,6 +101,23 @@ class TrainingSection:
     """Print the plan (parameters, steps, layout, memory, FLOPs, wall time: fbt_megatron.plan) and exit."""
     inject_nan: Optional[str] = None
     """Testing aid: NaN/Inf at chosen steps, e.g. "loss@3,grad@5-6,grad@9:inf" (bad_steps.py)."""
+    inject_fault: Optional[List[str]] = None
+    """Drill: crash@STEP[:RANK] (kill -9), hang@STEP[:RANK] (blocks the next collective) or spike@STEP
+    (loss and gradients scaled up), repeatable (fbt_megatron/resilience/faults.py; docs/operations.md)."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of the process groups' collectives (torch.distributed), minutes."""
+    hang_timeout_minutes: float = 30.0
+    """No step progress for this long (step, validation and checkpoint included): every rank writes its
+    Python stacks to <save>/hang/ and the run exits 124, which a Slurm job restarts (0: no watchdog)."""
+    spike_policy: Literal["off", "warn", "skip", "rewind"] = "warn"
+    """A step whose gradient norm exceeds --spike-factor × the median of the last --spike-window steps' is
+    logged (warn), not applied (skip), or rewound: the last checkpoint reloaded, the batches since skipped."""
+    spike_factor: float = 10.0
+    """How many times the running median gradient norm a spike is."""
+    spike_window: int = 20
+    """Gradient norms in the running median; detection starts once it is full."""
+    max_rewinds: int = 3
+    """Rewinds of the whole run (--spike-policy rewind); later spikes are skipped."""
 
 
 @dataclass
@@ -194,6 +211,10 @@ class ParallelSection:
 class CheckpointSection:
     save: Optional[str] = None
     """Run folder: checkpoints, metrics.jsonl and TensorBoard events."""
+    overwrite_save: bool = False
+    """Start a new run in a --save folder that holds another run (its checkpoints, metrics.jsonl,
+    exit status) without resuming it: replaced as the new run writes. Without it such a start is
+    refused (resume it with --load FOLDER, or choose another --save)."""
     load: Optional[str] = None
     """Run folder to resume from (its newest checkpoint, or --ckpt-step)."""
     ckpt_step: Optional[int] = None
@@ -234,6 +255,19 @@ class LoggingSection:
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one accelerator in the run's precision, for MFU in the logs (default:
     looked up from the GPU's name; no MFU on CPU)."""
+    wandb_project: Optional[str] = None
+    """Also log to this Weights & Biases project: the TensorBoard scalars (needs ``pip install wandb``;
+    WANDB_MODE=offline writes the run to disk only)."""
+    wandb_exp_name: Optional[str] = None
+    """The W&B run's name (default: the --save folder's name)."""
+    wandb_save_dir: Optional[str] = None
+    """Where W&B writes its local files (default: <save>/wandb)."""
+    log_layer_norms_interval: int = 0
+    """Every this many steps (a multiple of --log-interval; 0: never) the record also holds each
+    layer's parameter and gradient norms (params-norm/NAME, grad-norm/NAME), exact under TP and PP."""
+    heartbeat_interval: float = 30.0
+    """With --save, <save>/heartbeat.json (step, time, tokens, last checkpoint) is rewritten
+    atomically at most this often, in seconds (0: after every step), for cluster monitors."""
 
 
 SECTIONS = {
@@ -291,6 +325,9 @@ class Recipe:
                 mixture = check(phase["mixture"], Dict[int, float], f"{key}.mixture")
             if not mixture or any(k < 1 or w < 0 for k, w in mixture.items()) or sum(mixture.values()) <= 0:
                 raise RecipeError(f"{key} must map pass counts >= 1 to weights >= 0, got {mixture}")
+            if abs(sum(mixture.values()) - 1) > 1e-6:  # a typo would otherwise be renormalized silently
+                raise RecipeError(f"{key}.mixture weights sum to {sum(mixture.values()):g}, not 1: they are the shares of "
+                                  f"steps with each k; fix them to sum to 1")
             step = round(start * iters)
             if step <= phases[-1][0] and (i or step):
                 raise RecipeError(f"{key}.start {start} must come after the previous phase's start (step {step} of {iters})")
@@ -329,6 +366,13 @@ class Recipe:
         if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
             raise RecipeError(f"training.exit_duration_in_mins must be > 0, got {t.exit_duration_in_mins}")
         nan_injections(t.inject_nan)  # a malformed spec: one error line before any work
+        from fbt_megatron.resilience.faults import parse_faults
+
+        parse_faults(t.inject_fault)
+        if t.distributed_timeout_minutes < 1 or t.hang_timeout_minutes < 0:
+            raise RecipeError("training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0")
+        if t.spike_factor <= 1 or t.spike_window < 1 or t.max_rewinds < 0:
+            raise RecipeError("training.spike_factor must be > 1, training.spike_window >= 1 and training.max_rewinds >= 0")
         if c.ckpt_step is not None and c.load is None:
             raise RecipeError("checkpoint.ckpt_step picks a checkpoint of --load: give --load too")
         if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
@@ -382,6 +426,14 @@ class Recipe:
             raise RecipeError(f"optimizer.muon_num_ns_steps must be >= 1, got {o.muon_num_ns_steps}")
         if t.z_loss_coeff < 0:
             raise RecipeError(f"training.z_loss_coeff must be >= 0, got {t.z_loss_coeff}")
+        g = self.logging
+        if g.log_layer_norms_interval < 0 or g.log_layer_norms_interval % g.log_interval:
+            raise RecipeError(f"logging.log_layer_norms_interval must be a multiple of --log-interval {g.log_interval} "
+                              f"(0: off), got {g.log_layer_norms_interval}")
+        if g.heartbeat_interval < 0:
+            raise RecipeError(f"logging.heartbeat_interval must be >= 0 seconds, got {g.heartbeat_interval}")
+        if g.wandb_project is None and (g.wandb_exp_name or g.wandb_save_dir):
+            raise RecipeError("logging.wandb_exp_name and wandb_save_dir name a W&B run: give --wandb-project too")
         if self.data.data_path is None and self.data.train_data_path is None:
             raise RecipeError("data: set data_path (a corpus folder) or train_data_path (a blend)")
         if self.data.train_data_path is not None and self.data.tokenizer_model is None:
@@ -523,9 +575,12 @@ def load_recipe(path: Optional[str]) -> Recipe:
         if not Path(path).is_file():
             raise RecipeError(f"recipe file not found: {path}")
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = yaml.safe_load(Path(path).read_text())
         except yaml.YAMLError as e:
             raise RecipeError(yaml_error(path, e)) from None
+        if raw is None:  # empty, or only comments: not a run's recipe (every field would be a default)
+            raise RecipeError(f"{path}: the recipe file is empty; give its sections (recipes/README.md), or drop --recipe "
+                              f"to train on the defaults")
         if not isinstance(raw, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections")
     return recipe_from_dict(raw)

@@ -53,7 +53,7 @@ class Saver:
             self.saves, self.save_time = self.saves + 1, self.save_time + time.perf_counter() - saving
         if bad.too_many:
             self.wait()
-            write_status(c.save, "bad_steps", state.iteration, t.train_iters, self.last)
+            write_status(c.save, "bad_steps", state.iteration, t.train_iters, self.last, counts=_counts(state))
             raise bad.error(state.iteration, self.last)
         if reason or exiting:
             self.ending, self.reason = reason or "exit_interval", reason
@@ -74,6 +74,11 @@ class Saver:
                   f"{plural(self.saves, 'checkpoint')} "
                   f"held up training {self.save_time:.1f} s" + (" (written in the background: --async-save)" if self.background else ""),
                   flush=True)
-        write_status(c.save, self.ending or "finished", state.iteration, t.train_iters, self.last, stop.signal)
+        write_status(c.save, self.ending or "finished", state.iteration, t.train_iters, self.last, stop.signal, _counts(state))
         if self.reason and dist.get_rank() == 0:
             print(stop_line(stop.describe(self.reason), state.iteration, c.save, self.last), flush=True)
+
+
+def _counts(state) -> dict:
+    """What ``exit_status.json`` counts besides the end: the loss spikes and rewinds (``resilience.spikes``)."""
+    return {"spikes": state.spikes, "rewinds": state.rewinds}

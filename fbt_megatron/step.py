@@ -1,12 +1,13 @@
 """One training step, and validation: the microbatches of a global batch through the pass-aware
 schedule.
 
-``TrainStep``, top to bottom: zero the gradients → (``--inject-nan``: a poisoned batch) → megatron-
-core's forward-backward schedule over this rank's microbatches, each doing k passes
-(``parallel.pipeline``: all passes in one forward step at PP = 1, passes as virtual pipeline chunks
-at PP > 1), gradients reduced by DDP → (a poisoned gradient) → the optimizer step, skipped for a
-NaN/Inf gradient norm (``bad_steps.optimizer_step``) → the learning-rate step → the bad-step
-record. ``evaluate`` runs the validation batches forward only, after 0, 1, …, n fused passes.
+``TrainStep``, top to bottom: zero the gradients → (``--inject-fault``: a crash or hang of this
+rank, ``resilience.faults``; ``--inject-nan``: a poisoned batch) → megatron-core's forward-backward
+schedule over this rank's microbatches, each doing k passes (``parallel.pipeline``: all passes in
+one forward step at PP = 1, passes as virtual pipeline chunks at PP > 1), gradients reduced by DDP →
+(a poisoned or spiking gradient) → the optimizer step, skipped for a NaN/Inf gradient norm
+(``bad_steps.optimizer_step``) or a spike to skip or rewind (``resilience.spikes``) → the
+learning-rate step → the bad-step record. ``evaluate`` runs the validation batches forward only, after 0, 1, …, n fused passes.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from fbt_megatron import platform
 from fbt_megatron.bad_steps import BadSteps, NaNInjection, optimizer_step
 from fbt_megatron.data.packed_rows import PackedRows
 from fbt_megatron.losses import z_loss_coefficient
+from fbt_megatron.monitoring.norms import gradient_squares, layer_norms
 from fbt_megatron.optimizers.schedule import cooldown_start
 from fbt_megatron.parallel import pipeline
 from fbt_megatron.recipe import Recipe
+from fbt_megatron.resilience.faults import Faults
+from fbt_megatron.resilience.spikes import Spikes
 from fbt_megatron.seeds import sequence_seed
 from fbt_megatron.sequence import shard_positions
 
@@ -116,6 +120,7 @@ class StepResult:
     report: dict  # this rank's per-pass losses, state deltas and z-loss (tensors); empty before the last pipeline stage
     grad_norm: Optional[float]  # the global gradient norm (None: the fp16 loss scaler found an overflow)
     lr: float  # the learning rate after the step (the first param group's)
+    layer_norms: Optional[dict] = None  # every --log-layer-norms-interval steps: monitoring.norms.layer_norms
 
 
 class TrainStep:
@@ -128,6 +133,8 @@ class TrainStep:
         self.recipe, self.model, self.ddp, self.optimizer, self.scheduler = recipe, model, ddp, optimizer, scheduler
         self.dataset, self.cooldown, self.verbose = dataset, cooldown_start(lr_schedule), verbose
         self.injection, self.bad = NaNInjection(t.inject_nan), BadSteps(t.max_bad_steps, skipped_steps)
+        self.faults = Faults(t.inject_fault, recipe.checkpoint.save, dist.get_rank())  # --inject-fault
+        self.spikes = Spikes(t, recipe.checkpoint.save, verbose)  # --spike-policy
 
     def __call__(self, state, k: int, measure_deltas: bool) -> StepResult:
         """The step after ``state`` (``checkpointing.TrainState``) with k passes; ``measure_deltas``:
@@ -136,17 +143,23 @@ class TrainStep:
         self.ddp.start_step(k)
         model.z_loss.start_step(z_loss_coefficient(t, self.cooldown, state.iteration))
         self.optimizer.zero_grad()
+        self.faults.start_step(step)  # an injected crash or hang of this rank
         with self.injection.forward(step, model):
             report = run_schedule(self.recipe, self.ddp, self.dataset, state.consumed_samples, k, forward_only=False,
                                   measure_deltas=measure_deltas)
         self.injection.gradient(step, model)
+        self.faults.spike(step, model, report)
         if report and t.z_loss_coeff:  # logged from the first step: 0 before the z-loss switches on
             report["z_loss"] = model.z_loss.value(model.config)
-        updated, grad_norm = optimizer_step(self.optimizer)  # no update when the gradient norm is NaN/Inf
+        interval = self.recipe.logging.log_layer_norms_interval
+        grads = gradient_squares(model, self.ddp, float(self.optimizer.get_loss_scale())) if interval and step % interval == 0 else None
+        # no update when the gradient norm is NaN/Inf, or a spike to skip or rewind
+        updated, grad_norm = optimizer_step(self.optimizer, lambda norm: self.spikes.vetoes(state, step, norm))
+        norms = layer_norms(model, grads) if grads is not None else None
         if updated:
             self.scheduler.step(increment=1)
         self.bad.record(step, updated, grad_norm)
         if self.bad.consecutive and self.verbose:
             print(f"step {step} skipped: gradient norm {grad_norm} ({self.bad.consecutive} in a row, "
                   f"{self.bad.skipped} in all)", flush=True)
-        return StepResult(report, grad_norm, self.scheduler.get_lr(self.optimizer.param_groups[0]))
+        return StepResult(report, grad_norm, self.scheduler.get_lr(self.optimizer.param_groups[0]), norms)

@@ -16,8 +16,9 @@ stops the run after step i + 1, on every rank at the same step, whichever ranks 
 process: after step i).
 
 Every stop (and the end of a run) is recorded in ``<save>/exit_status.json`` (``write_status``):
-``{"reason": "finished" | "exit_interval" | "signal" | "duration" | "bad_steps", "step": N,
-"train_iters": T, "checkpoint": "iter_000000N" or null, "signal": "SIGTERM" (signal stops)}``,
+``{"reason": "finished" | "exit_interval" | "signal" | "duration" | "bad_steps" | "hang", "step": N,
+"train_iters": T, "checkpoint": "iter_000000N" or null, "signal": "SIGTERM" (signal stops),
+"spikes": S, "rewinds": R (when there were: ``resilience.spikes``)}``,
 for job scripts (Slurm) deciding whether to resubmit.
 
 Every delivery counts, whatever the main thread is doing (a long kernel, a collective waiting for
@@ -168,19 +169,41 @@ def stop_line(cause: str, step: int, save: Optional[str], checkpoint: Optional[P
 
 
 def write_status(save: Optional[str], reason: str, step: int, train_iters: int, checkpoint: Optional[Path],
-                 signal_name: Optional[str] = None) -> None:
-    """Record why the run ended in ``<save>/exit_status.json`` (atomically; rank 0 only)."""
+                 signal_name: Optional[str] = None, counts: Optional[dict] = None) -> None:
+    """Record why the run ended in ``<save>/exit_status.json`` (atomically; rank 0 only), with the
+    non-zero ``counts`` (the loss spikes and rewinds: ``resilience.spikes``)."""
     if save is None or (dist.is_initialized() and dist.get_rank() != 0):
         return
     status = {"reason": reason, "step": step, "train_iters": train_iters,
               "checkpoint": checkpoint.name if checkpoint is not None else None}
     if signal_name:
         status["signal"] = signal_name
+    status.update({name: n for name, n in (counts or {}).items() if n})
     path = Path(save) / STATUS
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(STATUS + ".tmp")
     tmp.write_text(json.dumps(status) + "\n")
     os.replace(tmp, path)
+
+
+def failed_worker(e) -> int:
+    """The end of a torchrun whose worker failed (``e``: torch elastic's ``ChildFailedError``): one
+    line naming the rank that failed first, after that rank's ``error:`` line when it found bad input
+    (``cli.run_cli`` writes it to the worker's error file: torchrun stops the other workers as soon as
+    one fails, often before rank 0 has said anything); returns that worker's exit code (128 + the
+    signal that killed it), not torchrun's 1, so a job script tells bad input (2) and a hang (124)
+    from a crash (``resilience.attempts``)."""
+    rank, failure = e.get_first_failure()
+    said = {r: f.message for r, f in e.failures.items() if isinstance(f.message, dict) and "time" in f.message.get("extraInfo", {})}
+    code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+    how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    if said:  # ranks that found bad input wrote their error line before exiting with 2 (or being stopped)
+        rank = min(said, key=lambda r: said[r]["extraInfo"]["time"])
+        code, how = 2, "exit code 2"
+        if said.get(0, {}).get("message") != said[rank]["message"]:  # else rank 0 printed it itself
+            print(said[rank]["message"], file=sys.stderr, flush=True)
+    print(f"torchrun: rank {rank} ended with {how}; torchrun stopped the other workers", file=sys.stderr, flush=True)
+    return code
 
 
 def torchrun(argv: List[str]) -> int:
@@ -204,10 +227,7 @@ def torchrun(argv: List[str]) -> int:
     try:
         run.main(["--signals-to-handle", "SIGHUP,SIGQUIT", *argv])  # torchrun's own handling: the others
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        print(f"torchrun: rank {rank} ended with {how}; torchrun stopped the other workers", file=sys.stderr, flush=True)
-        return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+        return failed_worker(e)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -7,8 +7,9 @@ process groups, the data (``data.build``), the model and optimizer (``build``). 
 top to bottom: pick k for this step (the pass schedule, ``passes``) → one step (``step.TrainStep``:
 megatron-core's forward-backward schedule over the microbatches, each doing k passes; gradients
 reduced by DDP; the optimizer step; the learning-rate step) → advance the state → record and log
-(``metrics.TrainingLog``, with validation) → the stop check (``stopping``) → save, and decide
-whether to exit (``saver.Saver``).
+(``metrics.TrainingLog``, with validation) → after a loss spike, rewind (``resilience.spikes``) → the
+stop check (``stopping``) → save, and decide whether to exit (``saver.Saver``). A watchdog ends a
+run whose steps stop coming, with every rank's stacks (``resilience.watchdog``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fbt_megatron.optimizers.schedule import choose_schedule
 from fbt_megatron.passes import pass_schedule
 from fbt_megatron.plan.planner import print_plan
 from fbt_megatron.recipe import Recipe
+from fbt_megatron.resilience.watchdog import Watchdog
 from fbt_megatron.saver import Saver
 from fbt_megatron.step import TrainStep, evaluate
 from fbt_megatron.stopping import StopCheck
@@ -54,7 +56,7 @@ def train(recipe: Recipe) -> List[dict]:
     saved = origin.saved if origin is not None and not origin.weights_only else None
     schedule, schedule_note = choose_schedule(recipe, saved)
     platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed,
-                              context_parallel_size=p.context_parallel_size)
+                              context_parallel_size=p.context_parallel_size, timeout_s=60 * t.distributed_timeout_minutes)
     data = build_data(recipe, dist.get_rank())
     vocab = data.tokenizer.padded_vocab_size(p.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
     stages.check_vocabulary(origin, vocab)
@@ -80,6 +82,7 @@ def train(recipe: Recipe) -> List[dict]:
     step = TrainStep(recipe, model, ddp, optimizer, scheduler, data.train, schedule, state.skipped_steps, verbose=is_logger)
     stop = StopCheck(t.exit_duration_in_mins, t.exit_signal_handler, began)  # signals and the time budget
     saver = Saver(recipe, model, optimizer, scheduler, state, verbose=is_logger)
+    watchdog = Watchdog(t.hang_timeout_minutes, c.save, state.iteration, t.train_iters)  # a hang: stacks, exit 124
     try:
         while state.iteration < t.train_iters:
             k = passes(state.iteration)
@@ -88,10 +91,14 @@ def train(recipe: Recipe) -> List[dict]:
             result = step(state, k, measure_deltas=log.due(state.iteration + 1))
             state.advance(k, t.global_batch_size, t.global_batch_size * recipe.data.seq_length, step.bad.skipped)
             log.end_step(state, k, result)
+            if step.spikes.rewind_due:  # --spike-policy rewind: the last checkpoint back, the spike's batches skipped
+                step.spikes.rewind(state, model, optimizer, scheduler, saver, step.bad)
             if saver.save_and_decide_exit(state, stop.stop_reason(), step.bad):
                 break
+            watchdog.kick(state.iteration)
         saver.wait()
     finally:
+        watchdog.close()
         stop.close()
         log.close(state)
     saver.finish(state, stop)

@@ -33,13 +33,20 @@ DECODE_KEYS = {
     "hf_decode_time_vs_megatron",
 }
 
+DATA_KEYS = {
+    "preprocess_per_core_vs_raw_sentencepiece",
+    "preprocess_per_core_vs_raw_huggingface",
+    "preprocess_peak_memory_10x",
+}
+
 
 def run(*flags):
     return subprocess.run([sys.executable, "tools/benchmark.py", *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
 
 
-@pytest.mark.parametrize("suite, keys", [([], RATIO_KEYS), (["--decode"], DECODE_KEYS)], ids=["training", "decode"])
+@pytest.mark.parametrize("suite, keys", [([], RATIO_KEYS), (["--decode"], DECODE_KEYS), (["--data"], DATA_KEYS)],
+                         ids=["training", "decode", "data"])
 def test_quick_run_writes_every_ratio(tmp_path, suite, keys):
     out = tmp_path / "bench.json"
     done = run("--quick", *suite, "--json", str(out))

@@ -1,6 +1,7 @@
 """The training command line as a person meets it (real subprocesses): a grouped, described
 ``--help`` (snapshot), and every mistake answered by one ``error:`` line."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,52 @@ def test_a_short_run_of_a_long_recipe_clamps_its_warmup():
     assert recipe.optimizer.lr_warmup_iters == 0 and recipe.clamp_warmup() is None
     long = parse(["--recipe", TINY, "--train-iters", "30"], "t", "")
     assert long.clamp_warmup() is None and long.optimizer.lr_warmup_iters == 20
+
+
+def test_torchrun_shows_the_first_failing_ranks_error_line():
+    """Two ranks find the same bad flag; torchrun stops the other as soon as one exits (often
+    before rank 0 has printed): the error line is shown once, then the rank that failed first."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node", "2", "--standalone", "-m",
+                          "fbt_megatron.train", "--recipe", TINY, "--tensor-model-parallel-size", "3"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in run.stderr.splitlines() if line.startswith(("error:", "torchrun:", "Traceback"))]
+    assert run.returncode == 2 and len(lines) == 2, run.stderr[-3000:]
+    assert lines[0] == "error: tensor (3) x pipeline (1) x context (1) parallel size does not divide the world size 2"
+    assert re.fullmatch(r"torchrun: rank [01] ended with exit code 2; torchrun stopped the other workers", lines[1])
+
+
+def test_a_blend_of_another_vocabulary_is_one_line_at_start_and_in_the_preflight(tmp_path, small_corpus):
+    """A blend whose token ids reach 999, with a 512-piece tokenizer: one line naming the prefix, the
+    id, the tokenizer and the fix, from the training (exit 2, before any step) and from the Slurm
+    preflight; the corpus's own blend passes, and validation on it says it reads the training data."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from fbt_megatron.metrics import validation_note
+    from fbt_megatron.slurm.preflight import vocabulary_problems
+
+    prefix, tokenizer = str(tmp_path / "other_text_document"), small_corpus.tokenizer_path
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for start in range(0, 3000, 300):
+        ids = (numpy.arange(start, start + 300) % 1000).astype(numpy.uint16)
+        builder.add_document(ids, [ids.size])
+    builder.finalize(prefix + ".idx")
+    line = (f"data.train_data_path: {prefix} holds token id 999 but the tokenizer {tokenizer} has 512 ids: the blend was "
+            f"tokenized with another vocabulary; give the tokenizer it was made with (--tokenizer-model) or tokenize it "
+            f"again with this one (tools/preprocess_data.py --tokenizer {tokenizer})")
+    flags = ["--recipe", TINY, "--data-path", "null", "--tokenizer-model", tokenizer, "--seq-length", "64"]
+    [(code, out, err)] = cli_many(tmp_path, [*flags, "--train-data-path", f"[{prefix}]", "--save", str(tmp_path / "run")])
+    assert code == 2 and err.splitlines() == ["error: " + line], err[-3000:]
+    assert not list((tmp_path / "run").glob("iter_*"))
+
+    assert vocabulary_problems(parse([*flags, "--train-data-path", f"[{prefix}]"], "t", "")) == [line]
+    own = parse([*flags, "--train-data-path", f"[{small_corpus.train_prefix}]"], "t", "")
+    assert vocabulary_problems(own) == []
+    assert validation_note(None, own) == (
+        "note: validation reads the training data (--train-data-path, no --valid-data-path): its loss is measured on "
+        "sequences trained on; give --valid-data-path a held-out blend to measure generalization")

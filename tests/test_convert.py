@@ -170,6 +170,34 @@ def test_decoding_logits_equal_megatrons_generation(trained):
         assert hf_out[:, p:].tolist() == out.tokens, mode
 
 
+def test_one_default_mode_soft_for_fbt(trained):
+    """Told no mode, the run (``generate``), its export (``generate``, ``pipeline``) and lm-eval's
+    ``fbt`` model all decode soft, which differs from standard for these prompts; the export's
+    config.json says so. (vLLM without ``vllm_xargs``: tests/test_serving.py.)"""
+    from transformers import AutoTokenizer, pipeline
+
+    from fbt_megatron.generate import generate
+
+    hf = trained / "hf"
+    assert json.loads((hf / "config.json").read_text())["decode_mode"] == "soft"
+    run, model = load_run(str(trained / "run")), hf_model(hf)
+    prompts = sample_tokens(512, batch=2, seq=30, seed=2).tolist()
+    soft = generate(run.model, prompts, mode="soft", max_new_tokens=8).tokens
+    assert generate(run.model, prompts, max_new_tokens=8).tokens == soft
+    assert generate(run.model, prompts, mode="standard", max_new_tokens=8).tokens != soft
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompts), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    assert out[:, 30:].tolist() == soft
+    tokenizer = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=True)
+    text = "def main(argv):\n    "
+    ids = tokenizer(text).input_ids
+    expected = generate(run.model, [ids], mode="soft", max_new_tokens=8).tokens[0]
+    piped = pipeline("text-generation", model=model, tokenizer=tokenizer)(
+        text, max_new_tokens=8, min_new_tokens=8, do_sample=False, return_tensors=True)
+    assert piped[0]["generated_token_ids"][len(ids):] == expected
+
+
 def synthetic_run(folder: Path, tokenizer: str, iteration: int = 3, **model) -> Path:
     """A run folder holding random weights (norms too) of a tiny model with ``model`` overrides."""
     from fbt_megatron import checkpointing

@@ -273,7 +273,7 @@ def test_failed_prepare_leaves_nothing(stdlib20, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(corpus_module, "preprocess", fail)
+    monkeypatch.setattr(corpus_module, "tokenize_into", fail)
     with pytest.raises(RuntimeError, match="injected"):
         prepare_corpus(str(stdlib20), str(tmp_path / "out"), vocab_size=512, show_progress=False)
     assert list(tmp_path.iterdir()) == []

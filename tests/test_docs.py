@@ -38,7 +38,8 @@ LINKED = [ROOT / "recipes" / "README.md", ROOT / "slurm" / "README.md"]  # linke
 PENDING = set()
 # Flags of programs whose parser is not in this process (sbatch options quoted from the job script).
 FOREIGN_FLAGS = {"--requeue", "--open-mode", "--signal", "--dependency",  # sbatch's
-                 "--no-enable-chunked-prefill", "--hf-overrides", "--enforce-eager"}  # vllm serve's
+                 "--no-enable-chunked-prefill", "--hf-overrides", "--enforce-eager",  # vllm serve's
+                 "--kv-cache-memory-bytes", "--gpu-memory-utilization"}
 MAX_README_LINES = 160
 
 
@@ -236,6 +237,8 @@ def check_slurm(command: Command, patch) -> None:
     args = command.args
     ours, training = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
     options = parser().parse_args(ours)
+    if options.command != "submit":  # its flags parsed: no recipe to check
+        return
     for recipe in options.chain or [options.recipe]:
         check_recipe(["--recipe", recipe, *training], options.nodes * max(options.gpus_per_node, 1))
 

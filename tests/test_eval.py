@@ -3,6 +3,7 @@ the ``fbt`` lm-eval model's decode modes against independent computations, plain
 hf`` offline, the evaluation table, and one ``error:`` line for bad input."""
 
 import collections
+import importlib.util
 import json
 import math
 import os
@@ -141,6 +142,14 @@ def test_soft_and_fused_loglikelihoods_match_independent_computations(fbt_lm, ex
     assert one_by_one == pytest.approx([f[0] for f in fused], rel=1e-5)
 
 
+def test_the_fbt_model_decodes_in_the_exports_default_mode(exported):
+    """Without decode_mode, lm-eval's fbt model takes the export's default (soft for an FBT model)."""
+    from fbt_megatron.evaluation.lm import FBTLM
+
+    assert FBTLM(pretrained=str(exported[1]), batch_size=4).mode == "soft"
+    assert FBTLM(pretrained=str(exported[1]), batch_size=4, fused_prefill_passes=2).mode == "fused(2)"
+
+
 def test_generation_gets_the_decode_mode(fbt_lm):
     """lm-eval's generate_until path (``_model_generate``) decodes in the model's mode."""
     lm, model = fbt_lm, fbt_lm.model
@@ -212,7 +221,7 @@ def test_eval_tool_writes_the_table(exported, tmp_path, capsys):
     baseline = tmp_path / "baseline-export"  # the export as a model without latent feedback
     shutil.copytree(export, baseline)
     config = json.loads((baseline / "config.json").read_text())
-    (baseline / "config.json").write_text(json.dumps({**config, "latent_feedback": False}))
+    (baseline / "config.json").write_text(json.dumps({**config, "latent_feedback": False, "decode_mode": "standard"}))
     out = tmp_path / "results" / "table.md"
     code, err = eval_tool(capsys, run, baseline, "--output", out, "--modes", "standard", "soft", "fused(2)",
                           "--limit", 2, "--tasks-dir", tasks.folder, "--documents", 6, "--questions", 12)
@@ -242,7 +251,10 @@ def test_eval_tool_bad_input_is_one_error_line(exported, tmp_path, capsys):
     for args, message in (([export, "--modes", "greedy"], "unknown decode mode 'greedy'"),
                           ([export, "--modes", "soft(2)"], "only fused takes a number of passes"),
                           ([tmp_path / "missing"], "no such run folder or export"),
-                          ([tmp_path], "neither a run folder")):
+                          ([tmp_path], "neither a run folder"),
+                          *([([export, "--backend", "vllm"], "--backend vllm needs vLLM, which this environment lacks: "
+                                                             "pip install -r requirements-serve.txt")]
+                            if importlib.util.find_spec("vllm") is None else [])):
         code, err = eval_tool(capsys, *args, "--output", tmp_path / "t.md")
         assert code == 2 and err.startswith("error: ") and message in err, err
         assert len(err.strip().splitlines()) == 1

@@ -248,8 +248,16 @@ def test_config_defaults_and_refusals():
         model.generate(ids, max_new_tokens=2, num_beams=2, decode_mode="soft")
     with pytest.raises(ValueError, match="decode_mode must be one of"):
         model.generate(ids, max_new_tokens=2, decode_mode="beam")
+    for mode in ("standard", "soft"):
+        with pytest.raises(ValueError, match="cache_implementation='static' is not supported: this model decodes with "
+                                             "the dynamic cache"):
+            model.generate(ids, max_new_tokens=2, decode_mode=mode, cache_implementation="static")
     baseline = tiny_model(latent_feedback=False)
     assert baseline.model.feedback is None
+    # the one default: soft with latent feedback, standard for a baseline; a baseline cannot default to soft
+    assert tiny_model().config.decode_mode == "soft" and baseline.config.decode_mode == "standard"
+    with pytest.raises(Exception, match="decode_mode 'soft' needs latent feedback"):
+        FBTConfig(**{**TINY, "latent_feedback": False, "decode_mode": "soft"})
     baseline.generate(ids, max_new_tokens=2, decode_mode="standard")
     with pytest.raises(ValueError, match="latent_feedback=False"):
         baseline.generate(ids, max_new_tokens=2, decode_mode="soft")

@@ -439,3 +439,38 @@ def test_bad_operation_flags_are_one_line(runs):
     for name, line in expected.items():
         assert results[name]["code"] == 2 and results[name]["log"].strip().splitlines() == [line], results[name]["log"]
     assert not (tmp / "bad").exists()
+
+
+# ---------------------------------------------------------------- the run folder is safe
+def _other_run(folder: Path) -> dict:
+    """A folder as another run leaves it: checkpoints to step 100 (the tracker names it), 20 metrics records."""
+    (folder / "iter_0000100").mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text("100")
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": 5 * i, "loss": 1.0}) + "\n" for i in range(1, 21)))
+    return {p.name: p.read_bytes() if p.is_file() else None for p in folder.iterdir()}
+
+
+def test_save_into_another_run_without_load_is_one_line_and_leaves_it(tmp_path):
+    """``--save`` into a folder that holds another run, without ``--load`` of it: refused in one
+    line naming --overwrite-save, exit 2, the folder byte for byte as it was (a real process). A
+    resume (``--load X --save X``, what a requeued Slurm job passes), --overwrite-save, and a stage
+    from another run's weights into a fresh folder pass the check."""
+    from fbt_megatron import stages
+
+    folder = tmp_path / "ow"
+    before = _other_run(folder)
+    out, err = tmp_path / "out", tmp_path / "err"
+    [code] = run_commands("fbt_megatron.train", [(["--recipe", TINY, "--save", folder, "--train-iters", "10"], out, err)])
+    assert code == 2 and err.read_text().splitlines() == [
+        f"error: --save {folder} holds another run (checkpoints to step 100, metrics.jsonl to step 100) that this run would "
+        f"overwrite: resume it with --load {folder}, choose another --save, or add --overwrite-save to replace it"], err.read_text()
+    assert {p.name: p.read_bytes() if p.is_file() else None for p in folder.iterdir()} == before
+
+    def check(*flags):
+        stages.check_save(train.parse_args(["--recipe", TINY, *map(str, flags)]))
+
+    check("--save", folder, "--load", folder)
+    check("--save", folder, "--overwrite-save")
+    check("--save", tmp_path / "stage", "--pretrained-checkpoint", folder)
+    with pytest.raises(ValueError, match="holds another run"):
+        check("--save", folder, "--load", tmp_path / "elsewhere")  # resuming another run into this one

@@ -56,6 +56,12 @@ def test_megatron_flag_overrides_are_typed(tmp_path):
         ("data:\n  data_path: null\n  train_data_path: [x]\n", "data.train_data_path needs data.tokenizer_model"),
         ("data:\n  data_path: null\n", "data: set data_path"),
         ("[unclosed\n", ".yaml:2:1: not valid YAML: expected ',' or ']'"),  # PyYAML's line and column kept
+        ("passes:\n  pass_phases: [{start: 0.5, mixture: {1: 0.8, 2: 0.3}}]\n",
+         "passes.pass_phases[0].mixture weights sum to 1.1, not 1"),  # not renormalized without a word
+        ("# only a comment\n", "the recipe file is empty; give its sections"),
+        ("logging:\n  log_interval: 10\n  log_layer_norms_interval: 15\n",
+         "logging.log_layer_norms_interval must be a multiple of --log-interval 10"),
+        ("logging:\n  wandb_exp_name: x\n", "logging.wandb_exp_name and wandb_save_dir name a W&B run: give --wandb-project"),
     ],
 )
 def test_bad_recipes_name_the_problem(tmp_path, text, message):

@@ -5,8 +5,11 @@ Every output is checked against the HF export's own code (``generate`` / ``decod
 log-probabilities within 1e-4, for batches mixing standard, soft and fused(2) requests of prompt
 lengths 3 … 40 past the sliding window (16), both feedback sources, under continuous batching with
 a KV cache small enough to preempt, chunked prefill (on an engine whose default mode
-``--hf-overrides`` sets), prefix caching, 100 requests through 4 slots, ``vllm serve`` with the
-``openai`` client, and lm-eval's vLLM backend against the HF ``fbt`` model.
+``--hf-overrides`` sets), prefix caching, 100 requests through 4 slots, ``vllm serve`` (docs/serving.md's
+command) with the ``openai`` client, completions and a chat with the SFT export of
+recipes/sft_tiny_cpu.yaml, and lm-eval's vLLM backend against the HF ``fbt`` model. The refusals a
+client meets (a bad mode or key, beam search in soft, a head dimension vLLM cannot attend with) are
+one message each.
 
 Engine starts are few (they take ~15 s on an idle machine): one offline engine per feedback source,
 one server, one lm-eval engine. The module is skipped only when vLLM is not installed
@@ -17,6 +20,7 @@ turns the skip into a failure.
 import importlib.util
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -219,11 +223,21 @@ def test_bad_mode_is_that_requests_error(llm, reference):
 
     ids = prompts([6], seed=9)[0]
     for bad, message in (({"decode_mode": "beam"}, "unknown decode mode 'beam'"),
+                         ({"decode_mod": "soft"}, "unknown vllm_xargs key 'decode_mod': an FBT request takes decode_mode"),
                          ({"decode_mode": "soft", "fused_prefill_passes": 2}, "needs decode_mode=fused"),
                          ({"decode_mode": "soft", "prompt_length": 0}, "prompt_length must be a positive integer")):
         with pytest.raises(VLLMValidationError, match=message):
             llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2, extra_args=bad), use_tqdm=False)
+    from vllm.sampling_params import BeamSearchParams
+
+    with pytest.raises(ValueError, match="beam search decodes in standard mode only.*this request's mode is soft: start "
+                                         "the engine with hf_overrides"):
+        llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=2, max_tokens=2))
     assert_equal(reference, [(ids, MODES[1])], run(llm, [(ids, MODES[1])]), "after refusals")
+    # the one default: a request that names no mode decodes soft (which differs from standard here)
+    plain = prompts([26, 33], seed=9)
+    assert any(reference.generate(p, MODES[0])[0] != reference.generate(p, MODES[1])[0] for p in plain)
+    assert_equal(reference, [(p, MODES[1]) for p in plain], run(llm, [(p, {}) for p in plain]), "no mode: soft")
 
 
 def test_soft_on_a_baseline_is_refused_at_admission():
@@ -249,23 +263,23 @@ def test_chunked_prefill_final_norm_feedback_and_hf_overrides(llm, exports):
     """The final-norm export with chunked prefill and a 16-token budget: prompts of up to 40
     tokens arrive in chunks; standard and soft equal HF; fused(n) is refused in one line (it needs
     the whole prompt in one step) and the engine keeps serving. The same engine is started with
-    ``hf_overrides={"decode_mode": "soft"}`` (``--hf-overrides``): requests that name no mode decode
-    soft, requests that name standard stay standard."""
+    ``hf_overrides={"decode_mode": "standard"}`` (``--hf-overrides``): requests that name no mode decode
+    standard, requests that name soft stay soft."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
     llm.llm_engine.engine_core.shutdown()  # one engine at a time on the 2-core machine
     chunked = engine(exports["final_norm"], enable_chunked_prefill=True, max_num_batched_tokens=16,
-                     hf_overrides={"decode_mode": "soft"})
+                     hf_overrides={"decode_mode": "standard"})
     try:
         reference = Reference(exports["final_norm"])
         requests = mixed(modes=MODES[:2], seed=10)
         assert_equal(reference, requests, run(chunked, requests), "chunked prefill (final_norm)")
-        # the overridden default: no decode_mode is soft (which differs from standard for these prompts)
+        # the overridden default: no decode_mode is standard (which differs from soft for these prompts)
         plain = [p for p, _ in requests[::2]]
         assert any(reference.generate(p, MODES[0])[0] != reference.generate(p, MODES[1])[0] for p in plain)
-        assert_equal(reference, [(p, MODES[1]) for p in plain], run(chunked, [(p, {}) for p in plain]),
-                     "--hf-overrides decode_mode=soft")
+        assert_equal(reference, [(p, MODES[0]) for p in plain], run(chunked, [(p, {}) for p in plain]),
+                     "--hf-overrides decode_mode=standard")
         with pytest.raises(VLLMValidationError, match="needs the whole prompt in one step.*--no-enable-chunked-prefill"):
             chunked.generate([{"prompt_token_ids": requests[0][0]}], SamplingParams(extra_args=MODES[2]), use_tqdm=False)
         assert_equal(reference, requests[:2], run(chunked, requests[:2]), "chunked prefill after a refusal")
@@ -281,18 +295,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_openai_server_in_every_mode(exports, reference, tmp_path):
-    """``vllm serve EXPORT`` on 127.0.0.1 and the ``openai`` client: completions in each mode
-    (``vllm_xargs``) equal HF's generate; a bad mode is an HTTP 400 with one message and the server
-    keeps serving."""
-    import openai
+@pytest.fixture(scope="module")
+def sft_export(tmp_path_factory, small_corpus):
+    """(export, the SFT set's tokenizer file): recipes/sft_tiny_cpu.yaml trained 4 steps from scratch
+    on the small corpus's SFT set with heads of 32 (the tiny preset's 16 is not a size vLLM's CPU
+    attention takes), exported with its chat template."""
+    from fbt_megatron.convert.to_hf import export
+    from fbt_megatron.data.sft.tiny_set import set_files
+    from forked import run_commands
 
+    base = tmp_path_factory.mktemp("sft")
+    args = ["--recipe", ROOT / "recipes" / "sft_tiny_cpu.yaml", "--threads", "1", "--pretrained-checkpoint", "null",
+            "--load", "null", "--save", base / "run", "--tokenizer-model", small_corpus.tokenizer_path,
+            "--data-path", base / "set", "--corpus", f"sft:{small_corpus.source}", "--kv-channels", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--eval-interval", "4",
+            "--eval-iters", "1", "--lr-warmup-iters", "1"]
+    assert run_commands("fbt_megatron.train", [(args, base / "train.log", None)]) == [0], (base / "train.log").read_text()[-3000:]
+    return export(str(base / "run"), str(base / "export"), say=lambda _: None), set_files(base / "set")[2]
+
+
+def docs_serve_command(export) -> list:
+    """The ``vllm serve`` command of docs/serving.md for ``export``."""
+    line = next(line for line in (ROOT / "docs" / "serving.md").read_text().splitlines()
+                if line.startswith("vllm serve EXPORT "))
+    return shlex.split(line.replace("EXPORT", str(export)))
+
+
+def test_openai_server_in_every_mode_and_chat(sft_export, tmp_path):
+    """docs/serving.md's ``vllm serve`` command (without VLLM_CPU_KVCACHE_SPACE) on an SFT export and
+    the ``openai`` client: completions in each mode (``vllm_xargs``) equal HF's generate; a chat
+    completion (the export's chat template, default mode) equals HF's generate on the templated
+    prompt, which is the prompt SFT trained on; a bad mode, an unknown key and beam search in soft
+    are HTTP 400s with one message each and the server keeps serving; beam search in standard is served."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from fbt_megatron.data.sft.chat import ChatEncoder, chat_template
+    from fbt_megatron.data.tokenizer import load_tokenizer
+
+    export, tokenizer_file = sft_export
+    reference = Reference(export)
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(exports["residual"]), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4",
-           "--no-enable-chunked-prefill", "--served-model-name", "fbt", "--seed", "0"]
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), cwd=ROOT)
+    cmd = [str(Path(sys.executable).parent / "vllm"), *docs_serve_command(export)[1:], "--host", "127.0.0.1",
+           "--port", str(port), "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # the command sizes its KV cache
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
         deadline = time.monotonic() + 900
@@ -312,10 +360,39 @@ def test_openai_server_in_every_mode(exports, reference, tmp_path):
             choice = out.choices[0]
             outputs.append((list(choice.token_ids), list(choice.logprobs.token_logprobs)))
         assert_equal(reference, requests, outputs, "vllm serve + openai")
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.completions.create(model="fbt", prompt=requests[0][0], max_tokens=2,
-                                      extra_body={"vllm_xargs": {"decode_mode": "beam"}})
-        assert refused.value.status_code == 400 and "unknown decode mode 'beam'" in str(refused.value)
+
+        # chat: the template SFT trained with, in the export's tokenizer files; the default mode (soft)
+        messages = [{"role": "user", "content": "What does json.loads do?"}]
+        encoder = ChatEncoder(load_tokenizer(tokenizer_file), *chat_template(tokenizer_file))
+        prompt = AutoTokenizer.from_pretrained(export, trust_remote_code=True).apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=False)
+        assert prompt == encoder.tokens(encoder.render(messages, add_generation_prompt=True))
+        chat = client.chat.completions.create(model="fbt", messages=messages, max_tokens=NEW, temperature=0,
+                                              extra_body={"return_token_ids": True})
+        expected = reference.generate(prompt, {"decode_mode": "soft"})[0]
+        eos = reference.model.config.eos_token_id
+        expected = expected[: expected.index(eos) + 1] if eos in expected else expected
+        assert list(chat.prompt_token_ids) == prompt and list(chat.choices[0].token_ids) == expected, (chat, expected)
+        answer = encoder.tokenizer.detokenize([t for t in expected if t != eos])
+        assert chat.choices[0].message.content == answer
+        print(f"chat: {messages} -> {answer!r} (tokens {expected}) = HF generate")
+
+        refusals = (({"vllm_xargs": {"decode_mode": "beam"}}, "unknown decode mode 'beam'"),
+                    ({"vllm_xargs": {"decode_mod": "soft"}}, "unknown vllm_xargs key 'decode_mod': an FBT request takes "
+                                                             "decode_mode, fused_prefill_passes, prompt_length"),
+                    ({"use_beam_search": True}, "beam search decodes in standard mode only"),
+                    ({"use_beam_search": True, "vllm_xargs": {"decode_mode": "fused", "fused_prefill_passes": 2}},
+                     "this request's mode is fused(2)"),
+                    ({"use_beam_search": True, "vllm_xargs": {"decode_mode": "beam"}}, "unknown decode mode 'beam'"))
+        for body, message in refusals:
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.completions.create(model="fbt", prompt=requests[0][0], max_tokens=2, n=2 if "use_beam_search" in body else 1,
+                                          extra_body=body)
+            assert refused.value.status_code == 400 and message in str(refused.value), str(refused.value)
+            print(f"HTTP 400: {refused.value.body['message'] if isinstance(refused.value.body, dict) else refused.value}")
+        beams = client.completions.create(model="fbt", prompt=requests[0][0], max_tokens=3, n=2, temperature=0,
+                                          extra_body={"use_beam_search": True, "vllm_xargs": {"decode_mode": "standard"}})
+        assert len(beams.choices) == 2
         again = client.completions.create(model="fbt", prompt=requests[1][0], max_tokens=NEW, temperature=0,
                                           extra_body={"vllm_xargs": requests[1][1], "return_token_ids": True,
                                                       "ignore_eos": True})
@@ -327,6 +404,19 @@ def test_openai_server_in_every_mode(exports, reference, tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def test_an_export_vllm_cannot_attend_is_refused_in_one_line(tmp_path):
+    """Head dimension 16 (the tiny preset's): ``vllm serve`` stops before it starts, with one
+    ``error:`` line and exit code 2 (it used to start and die on the first request)."""
+    export = write_export(tmp_path / "hd16", head_dim=16)
+    run = subprocess.run([str(Path(sys.executable).parent / "vllm"), "serve", str(export), "--dtype", "float32",
+                          "--port", str(free_port())], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    errors = [line for line in run.stderr.splitlines() if "Traceback" in line or line.startswith("error:")]
+    assert run.returncode == 2 and errors == [
+        "error: this export's head_dim 16 is not one vLLM's CPU attention takes (32, 64, 80, 96, 112, 128, 160, 192, "
+        "224, 256, 512): export a model trained with one of these (--kv-channels)"], run.stderr[-3000:]
+    assert "Starting vLLM" not in run.stdout + run.stderr and "Application startup complete" not in run.stdout + run.stderr
 
 
 # ---------------------------------------------------------------- lm-eval on vLLM

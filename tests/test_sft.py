@@ -184,3 +184,34 @@ def test_sft_run_through_the_entry_point(small_corpus, tmp_path):
     assert (tmp_path / "bad.err").read_text().strip().splitlines() == [
         f"error: {bad}:2: message 1 (user) has empty or missing content; {chat.SKIP_HINT}"]
     assert not (tmp_path / "bad").exists()
+
+    # talking to it: the export carries the chat template; apply_chat_template gives training's
+    # tokens, and generate --chat (the run) answers as the export's generate does (default mode: soft)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fbt_megatron.convert.to_hf import export
+    from fbt_megatron.data.sft.tiny_set import set_files
+
+    hf = export(str(run), str(tmp_path / "hf"), say=lambda _: None)
+    assert json.loads((hf / "tokenizer_config.json").read_text())["chat_template"] == chat.DEFAULT_CHAT_TEMPLATE
+    question = "What does json.loads do?"
+    messages = [{"role": "system", "content": "You answer questions."}, {"role": "user", "content": question}]
+    tokenizer_file = set_files(data)[2]
+    encoder = chat.ChatEncoder(load_tokenizer(tokenizer_file), *chat.chat_template(tokenizer_file))
+    prompt = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=True).apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=False)
+    assert prompt == encoder.tokens(encoder.render(messages, add_generation_prompt=True))
+    longer = [*CONVERSATION, {"role": "user", "content": question}]  # an earlier assistant turn ends with EOD
+    tokenizer = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=True)
+    ids = tokenizer.apply_chat_template(longer, add_generation_prompt=True, return_dict=False)
+    assert ids == encoder.tokens(encoder.render(longer, add_generation_prompt=True)) and ids.count(encoder.tokenizer.eod) == 2
+    assert tokenizer("a </s> b").input_ids == encoder.tokenizer.tokenize("a </s> b")  # plain text reads no specials
+    model = AutoModelForCausalLM.from_pretrained(str(hf), trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reply = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    reply = reply[:-1] if reply[-1] == encoder.tokenizer.eod else reply
+    assert run_commands("fbt_megatron.generate.__main__", [(
+        ["--load", run, "--chat", "--system", "You answer questions.", "--prompt", question, "--max-new-tokens", 8,
+         "--print-ids", "--threads", 1], tmp_path / "chat.out", None)]) == [0]
+    printed = (tmp_path / "chat.out").read_text().splitlines()
+    assert "# mode soft: 1 prefill pass; greedy" in printed and printed[-1] == " ".join(map(str, prompt + reply))

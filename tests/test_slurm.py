@@ -1,7 +1,8 @@
 """Slurm jobs (``python -m fbt_megatron.slurm``) on a real single-node Slurm on loopback
 (tests/slurm_cluster.py): the rendered scripts, a job interrupted twice — ``scontrol requeue`` and
-the time-limit signal — that resumes and logs the losses of an uninterrupted run bit for bit, and
-a chained pretrain → long-context → SFT → export + evaluation.
+the time-limit signal — that resumes and logs the losses of an uninterrupted run bit for bit, a job
+whose rank crashes (``--inject-fault``) that requeues itself and resumes bit for bit while bad input
+is not retried, and a chained pretrain → long-context → SFT → export + evaluation.
 
 Without the Slurm binaries (``apt-get install slurmctld slurmd slurm-client munge``) these tests
 skip on a developer machine; in CI (``FBT_REQUIRE_SLURM=1``, set by .ci/run) they fail instead.
@@ -178,7 +179,8 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
                      f"#SBATCH --output={tmp}/logs/tiny_cpu-%j.out", "#SBATCH --signal=B:USR1@180",
                      "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4", "#SBATCH --qos=high",
                      f"CONTAINER=(--container-image={IMAGE} --container-mounts={ROOT}:{ROOT},/data:/data", f"SAVE={save}",
-                     "scontrol requeue", "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}",
+                     "MAX_RESTARTS=3", f"ATTEMPTS=(python3 {ROOT}/fbt_megatron/resilience/attempts.py)", '"${ATTEMPTS[@]}" end',
+                     "--kill-on-bad-exit=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}",
                      "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}$" "{PYTHONPATH:+:$PYTHONPATH}",
                      'srun --cpus-per-task="$CPUS_PER_TASK"', 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK"']:
             assert line in script, line
@@ -350,6 +352,77 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
           f"restart 1 resumed from step {resumes[1]}; USR1 (the time-limit signal) at step {signalled_at} → restart 2 "
           f"resumed from step {resumes[2]}; finished; losses of all {steps} steps equal the uninterrupted run's bit for bit "
           f"(last {got[-1]['loss']!r}); {time.time() - began:.0f} s")
+
+
+def torchrun_two(log: Path, flags: list) -> int:
+    """``python -m fbt_megatron.torchrun`` with 2 processes (--standalone) of the training, here."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    with open(log, "w") as out:
+        return subprocess.run([sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node=2", "--standalone", "-m",
+                               "fbt_megatron.train", "--recipe", str(TINY), *map(str, flags)], cwd=ROOT, env=env,
+                              stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
+
+
+@pytest.mark.slow
+def test_a_crashed_rank_is_requeued_and_resumes_bit_for_bit_and_bad_input_is_not_retried(slurm, small_corpus, tmp_path):
+    """Two processes on the one node (torchrun launch, ``--procs-per-node 2``), ``--inject-fault
+    crash@5:1``: rank 1 dies as kill -9 kills it at step 5, after the checkpoint of step 4. The job
+    requeues itself (within ``--max-restarts 1``; srun names the node, which is not excluded: the
+    cluster has no other), resumes from step 4 (the fault fired once: the run folder recorded it)
+    and logs the losses of an uninterrupted run of two processes bit for bit. Every attempt is one
+    line of jobs.jsonl. Then a job (one task, ``--launch tasks``) whose recipe went bad after
+    submitting (held, edited, released) fails with exit code 2 and is not retried, in one line."""
+    began = time.time()
+    flags = [*SMALL, "--save-interval", 2, "--threads", 1, "--data-path", Path(small_corpus.train_prefix).parent, "--corpus", "null"]
+    reference = []
+    uninterrupted = threading.Thread(target=lambda: reference.append(
+        torchrun_two(tmp_path / "uninterrupted.log", [*flags, "--save", tmp_path / "uninterrupted"])))
+    uninterrupted.start()  # the other CPU core
+
+    common = ["--nodes", "1", "--gpus-per-node", "0", "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"),
+              "--log-dir", str(tmp_path / "logs"), "--max-restarts", "1"]
+    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), *common, "--procs-per-node", "2", "--",
+                                               *map(str, flags), "--inject-fault", "crash@5:1"]])
+    assert code == 0, output
+    [job] = job_ids(output)
+    run, log = tmp_path / "runs" / "tiny_cpu", tmp_path / "logs" / f"tiny_cpu-{job}.out"
+    slurm.wait_for(job, {"COMPLETED"}, restarts=1)
+    uninterrupted.join()
+    text = log.read_text()
+    attempts = starts(run)
+    assert [(a["job_id"], a["restart_count"], a["start_step"], a["end_step"], a["exit_code"], a["ended"], a["next"])
+            for a in attempts] == [(job, 0, 0, 4, 137, "failed", "requeued"), (job, 1, 4, 8, 0, "finished", "done")], attempts
+    assert ("=== the training failed (exit code 137) at step 4 of 8: requeueing job "
+            f"{job} (restart 1 of --max-restarts 1 from this checkpoint); srun named node localhost, not excluded: the "
+            "partition has no node to spare ===") in text, text[-3000:]
+    assert "--inject-fault crash@5:1: rank 1 dies (SIGKILL) at the start of step 5" in text
+    assert text.count("--inject-fault crash@5:1") == 1 and "=== finished: step 8 of 8" in text, text[-3000:]
+    assert reference == [0], (tmp_path / "uninterrupted.log").read_text()[-3000:]
+    keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "valid_loss_fused0", "valid_loss_fused2"]
+    expected, got = read_metrics(tmp_path / "uninterrupted"), read_metrics(run)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in expected]  # bitwise
+    crashed = time.time() - began
+
+    recipe = tmp_path / "edited.yaml"
+    recipe.write_text(TINY.read_text())
+    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(recipe), *common, "--launch", "tasks", "--name", "edited",
+                                               "--sbatch-option=--hold", "--", *map(str, flags)]])
+    assert code == 0, output
+    [bad] = job_ids(output)
+    recipe.write_text(TINY.read_text() + "\nbogus_section: {}\n")  # edited after submitting: the job reads it
+    slurm._run("scontrol", "release", str(bad))
+    with pytest.raises(AssertionError, match="ended FAILED"):
+        slurm.wait_for(bad, {"COMPLETED"})
+    bad_log = (tmp_path / "logs" / f"edited-{bad}.out").read_text()
+    assert "error: unknown recipe section 'bogus_section'" in bad_log and slurm.job(bad)["Restarts"] == "0"
+    verdict = [line for line in bad_log.splitlines() if line.startswith("=== the training failed")]
+    assert verdict == ["=== the training failed with exit code 2 at step 0 of 8: bad input (the error: line above), which a "
+                       "restart cannot fix: not retried ==="], bad_log[-3000:]
+    assert [(a["ended"], a["next"]) for a in starts(tmp_path / "runs" / "edited")] == [("bad input", "not retried")]
+    print(f"\nslurm job {job} (2 processes, crash@5:1): attempts {[(a['start_step'], a['end_step'], a['ended']) for a in attempts]}; "
+          f"losses of all 8 steps equal the uninterrupted run's bit for bit (last {got[-1]['loss']!r}); {crashed:.0f} s. "
+          f"Job {bad} (recipe edited after submitting): exit 2, not retried; {time.time() - began:.0f} s in all")
 
 
 STAGES = ["tiny_cpu", "longctx_tiny_cpu", "sft_tiny_cpu"]  # pretrain (128 tokens) → long context (512) → SFT

@@ -4,6 +4,7 @@
     python tools/benchmark.py --decode              # generation (fbt-1b shape, fp32), a few minutes
     python tools/benchmark.py --optimizers          # the optimizer step, NorMuon + Adam against Adam
     python tools/benchmark.py --serving [--export EXPORT]   # vLLM serving (needs requirements-serve.txt)
+    python tools/benchmark.py --data                # corpus preparation against the raw tokenizers, a few minutes
     python tools/benchmark.py --quick --json bench.json
 
 Times are medians over interleaved repeats; it prints the ratios with their goals (PASS/MISS) and

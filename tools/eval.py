@@ -233,6 +233,10 @@ def main(argv=None) -> int:
     from fbt_megatron.decode_modes import mode_label, parse_mode
 
     modes = [mode_label(*parse_mode(m)) for m in args.modes]  # an unknown mode stops here
+    if args.backend == "vllm":
+        from fbt_megatron.serving import require_vllm
+
+        require_vllm("--backend vllm")  # before any export is written
     modes = list(dict.fromkeys(modes))
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be positive (got {args.limit})")

@@ -2,14 +2,19 @@
 
 1. the environment (GPUs, torch, megatron-core, Transformer Engine);
 2. the Transformer Engine spec against the local spec with the same weights: per-pass losses and
-   gradients of the k-pass step, k = 1, 2, 3, in FP32 (TF32 off); then BF16 and FP8 (delayed scaling);
+   gradients of the k-pass step, k = 1, 2, 3, in FP32 (TF32 off); then BF16 and FP8 (delayed scaling).
+   Without Transformer Engine: the local spec in BF16 against FP32, the TE and FP8 checks skipped
+   (one line each), and everything below on the local spec;
 3. fbt-1b throughput, MFU and peak memory in BF16 for k = 1, 2, 3 and k = 3 with recompute_passes (and
    the planner's memory estimate, fbt_megatron/plan, against the measured peak at k = 3);
    then at long context (32K), k = 3, the recompute inputs kept on the GPU against offloaded to host
    memory by offload_recompute_inputs and by DeepSpeed's cpu_checkpointing (when installed): peak
    memory, step time, and the same gradients;
-4. with 2+ GPUs: TP=2 and CP=2 against 1 GPU through the training entry point (NCCL);
-5. a summary table. Exit code: 0 all passed, 1 a check failed, 2 no CUDA / no Transformer Engine.
+4. with 2+ GPUs: TP=2 and CP=2 (CP: with Transformer Engine) against 1 GPU through the training
+   entry point (NCCL);
+5. a summary table. Exit code: 0 all that ran passed, 1 a check failed, 2 megatron-core missing.
+Without a GPU (this CPU machine) the BF16-against-FP32 check runs on the CPU and the GPU sections
+say they are skipped and why.
 
     tools/gpu_check.sh [--skip-perf] [--skip-multi-gpu] [--perf-seq-length 4096] [--offload-seq-length 32768]
 """
@@ -39,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -61,10 +67,21 @@ TOL = {
 TP_STEPS = 12
 
 rows = []  # (check, value, tolerance / goal, PASS | FAIL | INFO | SKIP)
+TE = False  # Transformer Engine usable (set by environment())
 
 
 def record(check, value, goal="info", ok=None):
     rows.append((check, value, goal, "INFO" if ok is None else ok if isinstance(ok, str) else "PASS" if ok else "FAIL"))
+
+
+def skip(check, why):
+    """One line now and one SKIP row in the summary."""
+    print(f"{check}: skipped: {why}")
+    record(check, f"skipped: {why}", "-", "SKIP")
+
+
+NO_GPU = "no CUDA GPU on this machine"
+NO_TE = "needs Transformer Engine (not installed)"
 
 
 def rel(a, b):
@@ -84,47 +101,48 @@ def transformer_engine_version():
 def environment() -> int:
     print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda})")
     if not torch.cuda.is_available():
-        print("error: CUDA is not available to this Python; gpu_check needs an NVIDIA GPU and a CUDA build of "
-              "PyTorch (use an NGC PyTorch container, or a venv with CUDA torch).")
-        return 2
-    print(f"{torch.cuda.device_count()} GPU(s)")
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        print(f"GPU {i}: {p.name}, sm{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
-    print(f"cuDNN {torch.backends.cudnn.version()}, NCCL {torch.cuda.nccl.version()}")
+        print("no GPU: CUDA is not available to this Python (on a GPU node: use an NGC PyTorch container, or a venv "
+              "with CUDA torch); the checks that need one are skipped below, the rest run on the CPU")
+    else:
+        print(f"{torch.cuda.device_count()} GPU(s)")
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"GPU {i}: {p.name}, sm{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
+        print(f"cuDNN {torch.backends.cudnn.version()}, NCCL {torch.cuda.nccl.version()}")
     try:
         import megatron.core
     except ImportError as e:
         print(f"error: megatron-core is not importable ({e}); pip install megatron-core==0.16.1")
         return 2
     print(f"megatron-core {megatron.core.__version__}")
+    global TE
     te_version, error = transformer_engine_version()
-    if te_version is None:
-        how = "use an NGC PyTorch container (nvcr.io/nvidia/pytorch), which ships Transformer Engine"
-        if (REPO / "requirements-gpu.txt").exists():
-            how += ", or pip install -r requirements-gpu.txt"
-        print(f"error: Transformer Engine is not usable ({type(error).__name__}: {error}); {how}")
-        return 2
-    print(f"transformer-engine {te_version}")
+    TE = te_version is not None
+    if not TE:
+        how = "an NGC PyTorch container (nvcr.io/nvidia/pytorch) ships it"
+        print(f"no Transformer Engine ({type(error).__name__}: {error}): the local spec runs every check; "
+              f"the TE and FP8 checks are skipped ({how})")
+    else:
+        print(f"transformer-engine {te_version}")
     print(f"NVIDIA_TF32_OVERRIDE={os.environ['NVIDIA_TF32_OVERRIDE']} (0: cuBLAS never uses TF32 for FP32 GEMMs)")
     return 0
 
 
 # ---------------------------------------------------------------- shared helpers
 def build(te: bool, preset="tiny", **fields):
-    """FBTModel on the GPU as fbt_megatron.train builds it (config dtype, model .to(dtype)), in train mode."""
+    """FBTModel on the GPU (else the CPU) as fbt_megatron.train builds it (config dtype, model .to(dtype)), in train mode."""
     from fbt_megatron.config import make_config
     from fbt_megatron.model import FBTModel, fbt_model_spec
 
     config = make_config(preset, **fields)
     model = FBTModel(config, spec=fbt_model_spec(config, use_transformer_engine=te))
-    return model.to(config.params_dtype).cuda().train()  # .cuda(): plain torch modules (fusion, norms) start on CPU
+    return model.to(config.params_dtype).to(DEVICE).train()  # plain torch modules (fusion, norms) start on CPU
 
 
 def make_batch(vocab, seq, batch, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, vocab, (batch, seq + 1), generator=g).cuda()
-    mask = torch.ones(batch, seq, device="cuda")
+    x = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(DEVICE)
+    mask = torch.ones(batch, seq, device=DEVICE)
     mask[0, : seq // 8] = 0
     return dict(tokens=x[:, :-1].contiguous(), labels=x[:, 1:].contiguous(), loss_mask=mask,
                 seeds=list(range(100, 100 + batch)))
@@ -181,11 +199,12 @@ def fmt(losses):
 
 def free():
     gc.collect()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- 2. TE vs local, FP32 / BF16 / FP8
-def compare(label, model, batch, reference, against):
+def compare(label, model, batch, reference, against, spec="TE"):
     """The k-pass losses and gradients of ``model`` for k = 1..3 against ``reference`` (k → (losses,
     grads)); prints each k and returns (results, worst loss difference, worst gradient difference)."""
     results, worst_loss, worst_grad = {}, 0.0, 0.0
@@ -194,7 +213,7 @@ def compare(label, model, batch, reference, against):
         ld = max(rel(a, b) for a, b in zip(losses, reference[k][0]))
         gd, name = grad_diff(grads, reference[k][1])
         worst_loss, worst_grad = max(worst_loss, ld), max(worst_grad, gd)
-        print(f"{label:4s} k={k}: TE {fmt(losses)} | {against} {fmt(reference[k][0])} | loss rel {ld:.1e} | grad rel {gd:.1e} ({name})")
+        print(f"{label:4s} k={k}: {spec} {fmt(losses)} | {against} {fmt(reference[k][0])} | loss rel {ld:.1e} | grad rel {gd:.1e} ({name})")
     return results, worst_loss, worst_grad
 
 
@@ -212,24 +231,31 @@ def equivalence():
     ref = {k: losses_and_grads(local, batch, k) for k in KS}
     del local
 
-    print(f"\n== TE spec vs local spec, {SMALL['num_layers']} layers, D={SMALL['hidden_size']}, "
-          f"{batch['tokens'].shape[0]}x{SMALL['seq_length']} tokens")
-    te = build(True, **SMALL)
-    record("FP32: weights local -> TE spec", f"{copy_weights(weights, te)} tensors equal", "all parameters", True)
-    _, worst_loss, worst_grad = compare("fp32", te, batch, ref, "local")
-    record("FP32 TE vs local: per-pass loss, k=1..3", f"{worst_loss:.1e}", f"< {TOL['fp32 loss']:.0e} rel", worst_loss < TOL["fp32 loss"])
-    record("FP32 TE vs local: gradients, k=1..3", f"{worst_grad:.1e}", f"< {TOL['fp32 grad']:.0e} rel (max-norm)", worst_grad < TOL["fp32 grad"])
-    del te
+    spec = "TE" if TE else "local"
+    print(f"\n== {'TE spec vs local spec' if TE else 'local spec, BF16 vs FP32'}, {SMALL['num_layers']} layers, "
+          f"D={SMALL['hidden_size']}, {batch['tokens'].shape[0]}x{SMALL['seq_length']} tokens, {DEVICE}")
+    if TE:
+        te = build(True, **SMALL)
+        record("FP32: weights local -> TE spec", f"{copy_weights(weights, te)} tensors equal", "all parameters", True)
+        _, worst_loss, worst_grad = compare("fp32", te, batch, ref, "local")
+        record("FP32 TE vs local: per-pass loss, k=1..3", f"{worst_loss:.1e}", f"< {TOL['fp32 loss']:.0e} rel", worst_loss < TOL["fp32 loss"])
+        record("FP32 TE vs local: gradients, k=1..3", f"{worst_grad:.1e}", f"< {TOL['fp32 grad']:.0e} rel (max-norm)", worst_grad < TOL["fp32 grad"])
+        del te
+        free()
+    else:
+        skip("FP32 TE vs local: per-pass loss and gradients, k=1..3", NO_TE)
+
+    half = build(TE, **SMALL, **BF16)
+    copy_weights(weights, half)
+    bf16, worst_loss, worst_grad = compare("bf16", half, batch, ref, "fp32 local", spec)
+    record(f"BF16 {spec} vs FP32 local: per-pass loss, k=1..3", f"{worst_loss:.1e}", f"< {TOL['bf16 loss']:.0e} rel", worst_loss < TOL["bf16 loss"])
+    record(f"BF16 {spec} vs FP32 local: gradients, k=1..3", f"{worst_grad:.1e}")
+    del half
     free()
 
-    te16 = build(True, **SMALL, **BF16)
-    copy_weights(weights, te16)
-    bf16, worst_loss, worst_grad = compare("bf16", te16, batch, ref, "fp32 local")
-    record("BF16 TE vs FP32 local: per-pass loss, k=1..3", f"{worst_loss:.1e}", f"< {TOL['bf16 loss']:.0e} rel", worst_loss < TOL["bf16 loss"])
-    record("BF16 TE vs FP32 local: gradients, k=1..3", f"{worst_grad:.1e}")
-    del te16
-    free()
-
+    if not TE:
+        skip("FP8 TE vs BF16 TE", NO_TE)
+        return
     if torch.cuda.get_device_capability() < (8, 9):
         record("FP8 TE vs BF16 TE", "skipped: FP8 needs sm89+ (Ada, Hopper, Blackwell)", "-", "SKIP")
         return
@@ -270,16 +296,16 @@ def planned_memory(model, micro_batch, seq, k) -> float:
     from fbt_megatron.plan import memory
 
     params = sum(p.numel() for p in model.parameters())
-    layout = memory.Layout(micro_batch_size=micro_batch, seq_length=seq, half=True, transformer_engine=True)
+    layout = memory.Layout(micro_batch_size=micro_batch, seq_length=seq, half=True, transformer_engine=TE)
     stage = memory.Stage(rank=0, layers=model.config.num_layers, params=params, matrix_params=0, matrix_rows=0, first=True, last=True)
     return (4 * params + memory.activations(model.config, layout, stage, k).total) / 2**30
 
 
 def performance(seq, micro_batch, steps):
     peak, peak_from = peak_flops()
-    print(f"\n== fbt-1b, BF16, Transformer Engine, micro batch {micro_batch} x seq {seq}; "
+    print(f"\n== fbt-1b, BF16, {'Transformer Engine' if TE else 'local spec'}, micro batch {micro_batch} x seq {seq}; "
           f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s ({peak_from})")
-    model = build(True, "fbt-1b", seq_length=seq, **BF16)
+    model = build(TE, "fbt-1b", seq_length=seq, **BF16)
     batch = make_batch(model.config.vocab_size, seq, micro_batch)
     tokens = micro_batch * seq
     from fbt_megatron.plan.flops import flops_per_token
@@ -443,8 +469,7 @@ MULTI_GPU = {"TP=2": ["--tensor-model-parallel-size", 2], "CP=2": ["--context-pa
 def multi_gpu(parent: Path):
     if torch.cuda.device_count() < 2:
         for name in MULTI_GPU:
-            print(f"{name} vs 1 GPU (entry point, NCCL): skipped: needs 2 GPUs")
-            record(f"{name} vs 1 GPU (entry point, NCCL)", "skipped: needs 2 GPUs", "-", "SKIP")
+            skip(f"{name} vs 1 GPU (entry point, NCCL)", "needs 2 GPUs" if DEVICE == "cuda" else NO_GPU)
         return
     print(f"\n== TP=2 and CP=2 vs 1 GPU through fbt_megatron.train (recipes/tiny_cpu.yaml, FP32, {TP_STEPS} steps, same seed checkpoint)")
     parent.mkdir(parents=True, exist_ok=True)
@@ -463,6 +488,9 @@ def multi_gpu(parent: Path):
 
     a = {r["step"]: r for r in read_metrics(one)}
     for name, flags in MULTI_GPU.items():
+        if name == "CP=2" and not TE:
+            skip(f"{name} vs 1 GPU (entry point, NCCL)", "context parallelism " + NO_TE)
+            continue
         check = f"{name} vs 1 GPU: per-pass losses, {len(a)} steps, k in {sorted({r['k'] for r in a.values()})}"
         folder = workdir / name.replace("=", "")
         try:
@@ -492,7 +520,9 @@ def summary() -> int:
     for r in rows:
         print(line(r))
     failed = [r for r in rows if r[3] == "FAIL"]
-    print(f"\n{'FAILED: ' + str(len(failed)) + ' check(s)' if failed else 'all checks passed'}")
+    skipped = sum(r[3] == "SKIP" for r in rows)
+    print(f"\n{'FAILED: ' + str(len(failed)) + ' check(s)' if failed else 'all checks passed'}"
+          f"{f' ({skipped} skipped)' if skipped else ''}")
     return 1 if failed else 0
 
 
@@ -517,6 +547,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / "runs", help="a new gpu_check-* folder here holds the TP runs")
     args = parser.parse_args(argv)
 
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")  # megatron-core's import notices
     code = environment()
     if code:
         return code
@@ -524,13 +555,20 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", category=category)
     from fbt_megatron import platform
 
-    platform.init_distributed()  # a one-process NCCL group + megatron parallel state (TP=1) + seeds
+    platform.init_distributed()  # a one-process NCCL (on CPU: gloo) group + megatron parallel state (TP=1) + seeds
     guarded("TE vs local equivalence (FP32/BF16/FP8)", equivalence)
     if args.skip_perf:
         record("fbt-1b performance", "skipped (--skip-perf)", "-", "SKIP")
+    elif DEVICE != "cuda":
+        skip("fbt-1b performance (tokens/s, MFU, peak memory vs the planner)", NO_GPU)
+        skip("offloading recompute inputs at long context", NO_GPU)
     else:
         guarded("fbt-1b performance", performance, args.perf_seq_length, args.perf_micro_batch_size, args.perf_steps)
-        guarded("offloading recompute inputs", offloading, args.offload_seq_length, 3)
+        if TE:
+            guarded("offloading recompute inputs", offloading, args.offload_seq_length, 3)
+        else:  # the local spec's s x s attention scores at 32K: 64 GiB per layer
+            skip("offloading recompute inputs at long context", "the local spec's attention scores do not fit at "
+                 f"{args.offload_seq_length}; " + NO_TE)
     if args.skip_multi_gpu:
         record("multi-GPU", "skipped (--skip-multi-gpu)", "-", "SKIP")
     else:

@@ -1,7 +1,7 @@
 """``python -m fbt_megatron.convert to-hf|from-hf ...``: checkpoints to and from Hugging Face format.
 
     python -m fbt_megatron.convert to-hf --load RUN --output DIR [--ckpt-step N] [--tokenizer-model F]
-        [--max-shard-size 2GB]
+        [--max-shard-size 2GB] [--dtype bfloat16]
     python -m fbt_megatron.convert from-hf --input DIR --save RUN
         [--tensor-model-parallel-size N --pipeline-model-parallel-size M] [--seed S] [--seq-length T]
 
@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     to.add_argument("--tokenizer-model", metavar="FILE", help="the tokenizer file, when the run's corpus is not where it was trained")
     to.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
                     help="split the safetensors into shards of at most this size (default 2GB; 500MB, 1GiB, ...)")
+    to.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the weights' type in the safetensors (default float32, as trained on CPU; bfloat16 halves the files)")
 
     frm = sub.add_parser("from-hf", help="a Hugging Face folder (an FBT export or a Llama-style model) → a run folder",
                          description="Import an FBT export, or a Llama-style checkpoint (llama, mistral, qwen3; tied "
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
         from fbt_megatron.convert.to_hf import export
 
         export(args.load, args.output, ckpt_step=args.ckpt_step, tokenizer_model=args.tokenizer_model,
-               max_shard_size=args.max_shard_size)
+               max_shard_size=args.max_shard_size, dtype=args.dtype)
     else:
         from fbt_megatron.convert.from_hf import import_checkpoint
 

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from fbt_megatron.decode_modes import default_mode
 from fbt_megatron.errors import ConversionError
 
 
@@ -279,7 +280,7 @@ def hf_config(c, bos: Optional[int], eos: Optional[int], pad: Optional[int], wit
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": pad,
-        "decode_mode": "standard",
+        "decode_mode": default_mode(c.latent_feedback),
         "fused_prefill_passes": 0,
         "torch_dtype": "float32",
         "dtype": "float32",

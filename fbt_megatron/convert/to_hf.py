@@ -138,10 +138,11 @@ def sentencepiece_specials(path: str) -> dict:
     return out
 
 
-def write_tokenizer(folder: Path, model_file: str, max_length: int) -> None:
+def write_tokenizer(folder: Path, model_file: str, max_length: int, chat_template: Optional[str] = None) -> None:
     """The remote-code sentencepiece tokenizer: ``tokenizer.model`` (the run's file, copied),
-    ``tokenizer_config.json`` and ``special_tokens_map.json``. No BOS/EOS is added to encoded text:
-    training documents are plain pieces with EOD between documents."""
+    ``tokenizer_config.json`` (with ``chat_template``, an SFT run's, which ``apply_chat_template``
+    and vLLM's chat endpoint read) and ``special_tokens_map.json``. No BOS/EOS is added to encoded
+    text: training documents are plain pieces with EOD between documents."""
     shutil.copyfile(model_file, folder / "tokenizer.model")
     specials = sentencepiece_specials(model_file)
     tokens = {f"{role}_token": piece for role, (_, piece) in specials.items()}
@@ -157,9 +158,24 @@ def write_tokenizer(folder: Path, model_file: str, max_length: int) -> None:
         "split_special_tokens": True,
         "model_max_length": max_length,
         "padding_side": "left",
+        **({"chat_template": chat_template} if chat_template is not None else {}),
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (folder / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
+
+
+def run_chat_template(run) -> tuple:
+    """(the chat template an SFT run trained with, or None; why there is none where it should be):
+    the ``tokenizer_config.json`` beside the tokenizer of its SFT data (``data.sft``), else the
+    default template, as training chose it. A run that is not SFT has none (and no reason)."""
+    if not getattr(run.recipe.data, "sft", False):
+        return None, None
+    from fbt_megatron.data.sft import sft_chat_template
+
+    try:
+        return sft_chat_template(run.recipe.data)[0], None
+    except (ValueError, OSError) as e:
+        return None, f"the SFT run's data is not where it was trained ({e})"
 
 
 def tokenizer_ids(run) -> tuple:
@@ -249,6 +265,7 @@ def readme(run, config: dict, tokenizer_note: Optional[str], files: List[str]) -
         tokenizer=(tokenizer_note or "the run's sentencepiece model (`tokenizer.model`) as a remote-code "
                    "`FBTTokenizer`; no BOS/EOS is added to encoded text"),
         config_keys=keys,
+        default_mode=config["decode_mode"],
         architecture=architecture(c),
         example=example(c, tokenizer_note is None),
         weights=", ".join(f"`{f}`" for f in files),
@@ -266,9 +283,11 @@ def readable(folder: Path) -> None:
 
 
 def export(load: str, output: str, ckpt_step: Optional[int] = None, tokenizer_model: Optional[str] = None,
-           max_shard_size="2GB", progress: Optional[bool] = None, say: Callable[[str], None] = print) -> Path:
+           max_shard_size="2GB", progress: Optional[bool] = None, say: Callable[[str], None] = print,
+           dtype: str = "float32") -> Path:
     """Export run folder ``load`` (its latest checkpoint, or ``ckpt_step``'s) to the new HF folder
-    ``output``; returns it. Raises ValueError (one line) for what cannot be exported."""
+    ``output``, its weights in ``dtype`` (float32 or bfloat16); returns it. Raises ValueError (one
+    line) for what cannot be exported."""
     from fbt_megatron.runs import load_run
 
     out = check_new_folder(output, "--output")
@@ -278,23 +297,27 @@ def export(load: str, output: str, ckpt_step: Optional[int] = None, tokenizer_mo
     c = run.model.config
     shape = mapping.Shape.of_config(c)
     tensors = mapping.to_hf({k: v for k, v in run.model.state_dict().items() if torch.is_tensor(v)}, shape)
+    tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
 
     skipped = no_tokenizer_reason(run)
     bos, eos, pad = tokenizer_ids(run)
-    config = mapping.hf_config(c, bos, eos, pad, with_tokenizer=skipped is None)
+    config = {**mapping.hf_config(c, bos, eos, pad, with_tokenizer=skipped is None), "torch_dtype": dtype, "dtype": dtype}
     with atomic_folder(out) as tmp:
         files = write_safetensors(tensors, tmp, shard_bytes, progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(bos, eos, pad), indent=2) + "\n")
         for f in hf_code_files(with_tokenizer=skipped is None):
             shutil.copyfile(f, tmp / f.name)
+        template, no_template = run_chat_template(run) if skipped is None else (None, None)
         if skipped is None:
-            write_tokenizer(tmp, run.tokenizer_path, c.seq_length)
+            write_tokenizer(tmp, run.tokenizer_path, c.seq_length, template)
         note = None if skipped is None else f"no tokenizer exported: {skipped}"
         (tmp / "README.md").write_text(readme(run, config, note, files))
         readable(tmp)
     if skipped:
         say(f"note: no tokenizer exported: {skipped}")
+    if no_template:
+        say(f"note: no chat template exported: {no_template}")
     params = sum(t.numel() for t in tensors.values())
     say(f"exported {run.folder} (iteration {run.iteration}, {params:,} parameters) to {out}")
     return out

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from fbt_megatron.data import sft
 from fbt_megatron.data.corpus import ensure_corpus, load_corpus
-from fbt_megatron.data.datasets import build_datasets
+from fbt_megatron.data.datasets import build_datasets, token_id_problem
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.errors import RecipeError
 from fbt_megatron.recipe import Recipe
@@ -76,6 +76,12 @@ def build_data(recipe: Recipe, world_rank: int) -> Data:
         source = " ".join(map(str, d.train_data_path))
         cache = d.data_cache_path or str(Path(recipe.checkpoint.save or ".") / "data_cache")
     tokenizer = load_tokenizer(tokenizer_path)
+    if d.train_data_path is not None:  # a blend made with another tokenizer: one line, not an IndexError at step 1
+        for key, (prefixes, _) in (("data.train_data_path", train_blend), ("data.valid_data_path", valid_blend or ([], None))):
+            for prefix in prefixes:
+                problem = token_id_problem(prefix, tokenizer.vocab_size, tokenizer_path, key)
+                if problem:
+                    raise RecipeError(problem)
     train, valid, _ = build_datasets(
         tokenizer,
         seq_length=d.seq_length,

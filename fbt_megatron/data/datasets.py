@@ -2,17 +2,22 @@
 
 Every rank builds; under torch.distributed megatron builds on rank 0 first (writing the index
 cache to `cache_dir`), then the other ranks load it, so all ranks must call `build_datasets`.
-It also works without any process group (one process).
+It also works without any process group (one process). ``token_id_problem`` checks, cheaply, that a
+``.bin/.idx`` prefix was tokenized with the run's vocabulary.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from typing import Optional
 from unittest import mock
 
+import numpy
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
 from fbt_megatron.data.tokenizer import Tokenizer
 
@@ -64,3 +69,25 @@ def _rank_zero_without_process_group():
     else:
         with mock.patch.object(dist, "get_rank", lambda group=None: 0):
             yield
+
+
+SAMPLE_WINDOWS, SAMPLE_WINDOW = 16, 1 << 16  # ids read per prefix: 16 evenly spaced windows of 65,536 (≤ 4 MiB)
+
+
+def token_id_problem(prefix: str, vocab_size: int, tokenizer: str, key: str) -> Optional[str]:
+    """One line when ``prefix``.bin holds a token id outside a vocabulary of ``vocab_size`` ids (the
+    tokenizer ``tokenizer``'s), found in a sample (``SAMPLE_WINDOWS`` windows spread over the file:
+    a blend made with another tokenizer has such ids everywhere); None when the sample fits (or the
+    index is not megatron-core's, which its reader reports)."""
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(18)  # megatron's magic (9 bytes), version (8), the dtype's code (1)
+    if len(header) < 18 or not header.startswith(_INDEX_HEADER) or not os.path.getsize(prefix + ".bin"):
+        return None
+    tokens = numpy.memmap(prefix + ".bin", dtype=DType.dtype_from_code(header[17]), mode="r")
+    starts = sorted({int(s) for s in numpy.linspace(0, max(0, len(tokens) - SAMPLE_WINDOW), SAMPLE_WINDOWS)})
+    top = max(int(tokens[s:s + SAMPLE_WINDOW].max()) for s in starts)
+    if top < vocab_size:
+        return None
+    return (f"{key}: {prefix} holds token id {top:,} but the tokenizer {tokenizer} has {vocab_size:,} ids: the blend was "
+            f"tokenized with another vocabulary; give the tokenizer it was made with (--tokenizer-model) or tokenize it "
+            f"again with this one (tools/preprocess_data.py --tokenizer {tokenizer})")

@@ -1,29 +1,59 @@
-"""Documents from text files, folders and JSONL files: the one reader of raw text.
+"""Documents from the files corpora ship in, streamed: the one reader of raw text.
 
-A ``.jsonl`` file holds one document per line (a JSON object, the text under `json_key`); any
-other file is read as UTF-8 with its line endings kept exactly and split into documents by
-`split` (``SPLITS``): ``file`` one document, ``blank-line`` one per paragraph (lines between
-blank lines), ``line`` one per line; a piece of a file is named "file.txt:LINE" (its first line).
-A folder is read recursively in sorted order, skipping hidden entries and ``__pycache__``. Empty
-documents are skipped; inputs without any document are an error.
+Formats, told by name:
+  * ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``: one JSON record a line, the text under `key`;
+  * ``.parquet``: the `key` column (pyarrow), read a batch of rows at a time;
+  * a folder saved by ``datasets.save_to_disk`` (``state.json`` beside its ``.arrow`` files, or a
+    ``dataset_dict.json`` over split folders): the `key` column, read with pyarrow (offline);
+  * any other file (``.txt``, ``.py``, ..., also ``.gz``/``.zst`` compressed): UTF-8 text with its
+    line endings kept exactly, split into documents by `split` (``SPLITS``): ``file`` one
+    document, ``blank-line`` one per paragraph (lines between blank lines), ``line`` one per line
+    (a line ends at ``\\n``).
+An input is a file, a folder (read recursively in sorted order, skipping hidden entries and
+``__pycache__``) or a glob pattern. A document is named "file:N" (N: the JSONL line, the row, the
+first line of a piece of a text file) or by its file's relative path (a whole file). Empty
+documents are skipped; inputs without any document are an error; a missing optional library
+(pyarrow, zstandard) is named in the error.
+
+A bad record (invalid UTF-8, malformed JSON, a missing key, a value that is not a string) is an
+error naming its file and line (and, for UTF-8, the byte's column), unless ``BadRecords`` was
+given a limit (``--skip-bad-records N`` or ``P%``): then it is skipped, counted by kind and named
+in a ``warning:`` line (the first ten), and the read fails once more than the limit were skipped.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import glob
+import gzip
+import importlib
+import io
+import itertools
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from tqdm import tqdm
 
+from fbt_megatron.cli import plural
+
 
 SPLITS = ("file", "blank-line", "line")  # how a text file is split into documents
+BAD_KINDS = ("invalid UTF-8", "malformed JSON", "missing key", "not a string")
+DATASET_STATE = "state.json"  # what datasets.save_to_disk writes beside a dataset's arrow files
+DATASET_DICT = "dataset_dict.json"
+INPUTS_HELP = ("files, folders or glob patterns of .jsonl(.gz/.zst), .parquet, datasets.save_to_disk folders "
+               "or text (.txt, .gz, ...)")  # what the tools' --input takes
+SHOWN_BAD = 10  # skipped records named one line each; the rest only counted
 
 
 @dataclass(frozen=True)
 class Document:
-    name: str  # the file's path relative to the input folder, or "file:LINE" (a JSONL line, a piece of a text file)
+    name: str  # the file's path relative to the input folder, or "file:N" (a record, a piece of a text file)
     text: str
 
     @property
@@ -32,19 +62,249 @@ class Document:
         return self.name.rsplit(":", 1)[0] if self.name.rsplit(":", 1)[-1].isdigit() else self.name
 
 
-def list_files(folder: str, suffixes: tuple[str, ...] | None = None, skip_dirs: Iterable[str] = ()) -> list[str]:
-    """The files under `folder` (with one of `suffixes`, if given), sorted, skipping hidden entries,
+@dataclass(frozen=True)
+class Source:
+    """One unit of input: a file, or a saved dataset's folder; `name` names its documents."""
+
+    path: str
+    name: str
+
+    @property
+    def size(self) -> int:
+        """Bytes on disk (what shards are balanced by)."""
+        if os.path.isdir(self.path):
+            return sum(os.path.getsize(f) for f in _arrow_files(self.path))
+        return os.path.getsize(self.path)
+
+
+class BadRecords:
+    """What a bad record costs: an error (``limit`` None), or a skip counted by kind while at most
+    ``limit`` records ("N", or "P%" of the records read, checked by ``check_share`` at the end) are
+    bad. ``quiet``: a second pass over inputs already checked skips the same records silently."""
+
+    def __init__(self, limit: str | None = None, quiet: bool = False):
+        self.limit, self.quiet = limit, quiet
+        self.count_limit, self.share = _parse_limit(limit)
+        self.counts: collections.Counter = collections.Counter()
+        self.records = 0  # read, good or bad
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.counts.values())
+
+    def __call__(self, kind: str, where: str, message: str) -> None:
+        """A bad record at `where` ("file:line[:column]"): raise, or count it and go on."""
+        self.records += 1
+        if self.limit is None:
+            raise ValueError(f"{where}: {message} (to skip bad records: --skip-bad-records N or P%)")
+        self.counts[kind] += 1
+        if self.quiet:
+            return
+        if self.count_limit is not None and self.skipped > self.count_limit:
+            raise ValueError(f"{where}: {message}: more than {self.count_limit:,} bad records "
+                             f"(--skip-bad-records {self.limit}; {self.summary()})")
+        if self.skipped <= SHOWN_BAD:
+            more = " (further ones are only counted)" if self.skipped == SHOWN_BAD else ""
+            print(f"warning: skipped {where}: {message}{more}", file=sys.stderr, flush=True)
+
+    def check_share(self) -> None:
+        """At the end of a read: an error when more than the allowed share of records was bad."""
+        if self.share is not None and not self.quiet and self.skipped > self.share * self.records:
+            raise ValueError(f"{self.skipped:,} of {self.records:,} records are bad, more than "
+                             f"--skip-bad-records {self.limit} ({self.summary()})")
+
+    def summary(self) -> str:
+        """"skipped 3 bad records: 2 malformed JSON, 1 invalid UTF-8" (kinds by count)."""
+        kinds = ", ".join(f"{n:,} {kind}" for kind, n in self.counts.most_common())
+        return f"skipped {self.skipped:,} bad record{'s' * (self.skipped != 1)}" + (f": {kinds}" if kinds else "")
+
+
+def _parse_limit(limit: str | None) -> tuple[int | None, float | None]:
+    if limit is None:
+        return None, None
+    text = str(limit).strip()
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100
+            if 0 <= share <= 1:
+                return None, share
+        elif int(text) >= 0:
+            return int(text), None
+    except ValueError:
+        pass
+    raise ValueError(f"--skip-bad-records {limit!r}: give a count (e.g. 100) or a share of the records (e.g. 0.1%)")
+
+
+def walk(folder: str, suffixes: tuple[str, ...] | None = None, skip_dirs: Iterable[str] = ()) -> list[Source]:
+    """The sources under `folder`, sorted by path, named by their paths relative to it: files (with one
+    of `suffixes`, if given) and saved datasets (one source each), skipping hidden entries,
     ``__pycache__`` and folders named in `skip_dirs`."""
     skip = {"__pycache__", *skip_dirs}
-    files = []
+    found = []
     for root, dirs, names in os.walk(folder):
+        if root != folder and _is_dataset(root):
+            found.append(root)
+            dirs[:] = []
+            continue
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip]
-        files += [
-            os.path.join(root, n)
-            for n in names
-            if not n.startswith(".") and (suffixes is None or n.endswith(suffixes))
-        ]
-    return sorted(files)
+        found += [os.path.join(root, n) for n in names
+                  if not n.startswith(".") and (suffixes is None or n.endswith(suffixes))]
+    return [Source(p, os.path.relpath(p, folder)) for p in sorted(found)]
+
+
+def _is_dataset(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, f)) for f in (DATASET_STATE, DATASET_DICT))
+
+
+def sources(inputs: list[str]) -> list[Source]:
+    """The sources of `inputs` (files, folders, glob patterns), in order; a missing one is an error."""
+    out = []
+    for path in inputs:
+        if _is_dataset(path):
+            out.append(Source(path, os.path.basename(os.path.normpath(path))))
+        elif os.path.isdir(path):
+            out += walk(path)
+        elif os.path.isfile(path):
+            out.append(Source(path, os.path.basename(path)))
+        elif glob.has_magic(path) and glob.glob(path):
+            for match in sorted(glob.glob(path)):
+                out += sources([match]) if os.path.isdir(match) else [Source(match, os.path.basename(match))]
+        else:
+            raise FileNotFoundError(f"input {path} does not exist" + (" (no file matches the pattern)" if glob.has_magic(path) else ""))
+    return out
+
+
+def _needs(module: str, package: str, path: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"{path}: reading it needs the {package} package (pip install {package})") from None
+
+
+def _open_binary(path: str) -> io.BufferedIOBase:
+    """The file's bytes, decompressed by its suffix (.gz, .zst)."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        zstandard = _needs("zstandard", "zstandard", path)
+        raw = open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20)
+    return open(path, "rb")
+
+
+def _decode(data: bytes, path: str, first_line: int, bad: BadRecords) -> str | None:
+    """`data` as UTF-8, or None after reporting its first invalid byte by line and byte column."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        bad("invalid UTF-8", f"{path}:{line}:{column}", f"not UTF-8 ({e.reason}, byte column {column})")
+        return None
+
+
+def _jsonl(source: Source, key: str, bad: BadRecords) -> Iterator[Document]:
+    with _open_binary(source.path) as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            line = _decode(raw, source.path, number, bad)
+            if line is None:
+                continue
+            where = f"{source.path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                bad("malformed JSON", where, f"malformed JSON line ({e.msg})")
+                continue
+            if not isinstance(record, dict) or key not in record:
+                bad("missing key", where, f"no key {key!r} (choose the text field with --json-key)")
+                continue
+            if not isinstance(record[key], str):
+                bad("not a string", where, f"the value of {key!r} is not a string")
+                continue
+            bad.records += 1
+            if record[key]:
+                yield Document(f"{source.name}:{number}", record[key])
+
+
+def _arrow_files(folder: str) -> list[str]:
+    """The arrow files of a saved dataset, in its order (each split's in turn for a DatasetDict)."""
+    if os.path.isfile(os.path.join(folder, DATASET_DICT)):
+        with open(os.path.join(folder, DATASET_DICT)) as f:
+            splits = json.load(f)["splits"]
+        return [p for s in splits for p in _arrow_files(os.path.join(folder, s))]
+    with open(os.path.join(folder, DATASET_STATE)) as f:
+        return [os.path.join(folder, d["filename"]) for d in json.load(f)["_data_files"]]
+
+
+def _batches(source: Source, key: str):
+    """The `key` column of a parquet file or a saved dataset, a record batch at a time."""
+    pyarrow = _needs("pyarrow", "pyarrow", source.path)
+    if os.path.isdir(source.path):
+        for path in _arrow_files(source.path):
+            with pyarrow.memory_map(path) as stream:
+                reader = pyarrow.ipc.open_stream(stream)
+                _check_column(reader.schema.names, key, source.path)
+                for batch in reader:
+                    yield batch.column(key)
+        return
+    import pyarrow.parquet
+
+    file = pyarrow.parquet.ParquetFile(source.path)
+    _check_column(file.schema_arrow.names, key, source.path)
+    for batch in file.iter_batches(batch_size=1024, columns=[key]):
+        yield batch.column(0)
+
+
+def _check_column(names: list[str], key: str, path: str) -> None:
+    if key not in names:
+        raise ValueError(f"{path}: no column {key!r} (it has {', '.join(names)}; choose the text field with --json-key)")
+
+
+def _table(source: Source, key: str, bad: BadRecords) -> Iterator[Document]:
+    row = 0
+    for column in _batches(source, key):
+        for value in column.to_pylist():
+            row += 1
+            if not isinstance(value, str):
+                bad("not a string", f"{source.path}:{row}", f"row {row}: the value of {key!r} is not a string")
+                continue
+            bad.records += 1
+            if value:
+                yield Document(f"{source.name}:{row}", value)
+
+
+def _text(source: Source, split: str, bad: BadRecords) -> Iterator[Document]:
+    if split == "file":
+        with _open_binary(source.path) as f:
+            text = _decode(f.read(), source.path, 1, bad)
+        if text is not None:
+            bad.records += 1
+            if text:
+                yield Document(source.name, text)
+        return
+    with _open_binary(source.path) as f:
+        lines = ((n, _decode(raw, source.path, n, bad)) for n, raw in enumerate(f, 1))
+        yield from _pieces(lines, source.name, split, bad)
+
+
+def _pieces(lines: Iterable[tuple[int, str | None]], name: str, split: str, bad: BadRecords) -> Iterator[Document]:
+    """The documents of numbered lines (None: a line already reported bad, which drops its piece)."""
+    if split not in SPLITS:
+        raise ValueError(f"--split-documents {split!r}: choose one of {', '.join(SPLITS)}")
+    start, piece, broken = 0, [], False
+    for number, line in itertools.chain(lines, [(0, "")]):
+        blank = line is not None and not line.strip()
+        if (piece or broken) and (blank or split == "line"):
+            if not broken:
+                bad.records += 1
+                yield Document(f"{name}:{start}", "".join(piece).rstrip("\r\n"))
+            piece, broken = [], False
+        if not blank:
+            start = number if not (piece or broken) else start
+            broken = broken or line is None
+            piece += [] if line is None else [line]
 
 
 def split_text(text: str, name: str, split: str) -> Iterator[Document]:
@@ -53,67 +313,95 @@ def split_text(text: str, name: str, split: str) -> Iterator[Document]:
         if text:
             yield Document(name, text)
         return
-    if split not in SPLITS:
-        raise ValueError(f"--split-documents {split!r}: choose one of {', '.join(SPLITS)}")
-    lines, start, piece = text.splitlines(keepends=True), 0, []
-    for number, line in enumerate([*lines, ""], 1):
-        blank = not line.strip()
-        if piece and (blank or split == "line"):
-            yield Document(f"{name}:{start}", "".join(piece).rstrip("\r\n"))
-            piece = []
-        if not blank:
-            start = number if not piece else start
-            piece.append(line)
+    lines = text.split("\n")
+    lines = [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+    yield from _pieces(enumerate(lines, 1), name, split, BadRecords())
 
 
-def read_file(path: str, name: str, json_key: str = "text", split: str = "file") -> Iterator[Document]:
-    """The documents of one file: one per JSONL line, or the file's text split by ``split``."""
-    try:
-        if not path.endswith(".jsonl"):
-            with open(path, encoding="utf-8", newline="") as f:
-                yield from split_text(f.read(), name, split)
-            return
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    text = _json_text(line, json_key, f"{path}:{number}")
-                    if text:
-                        yield Document(f"{name}:{number}", text)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+def read_source(source: Source, json_key: str = "text", split: str = "file",
+                bad: BadRecords | None = None) -> Iterator[Document]:
+    """The documents of one source, by its format (see the module docstring)."""
+    bad = BadRecords() if bad is None else bad
+    path = source.path
+    stem = path[:-3] if path.endswith(".gz") else path[:-4] if path.endswith(".zst") else path
+    if os.path.isdir(path) or path.endswith(".parquet"):
+        yield from _table(source, json_key, bad)
+    elif stem.endswith(".jsonl"):
+        yield from _jsonl(source, json_key, bad)
+    else:
+        yield from _text(source, split, bad)
 
 
-def _json_text(line: str, key: str, where: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: malformed JSON line ({e.msg})") from None
-    if not isinstance(record, dict) or key not in record:
-        raise ValueError(f"{where}: no key {key!r} (choose the text field with --json-key)")
-    if not isinstance(record[key], str):
-        raise ValueError(f"{where}: the value of {key!r} is not a string")
-    return record[key]
-
-
-def iter_documents(inputs: list[str], json_key: str = "text", split: str = "file") -> Iterator[Document]:
-    """The documents of `inputs` (files or folders) in order, text files split by ``split``; a
-    missing input or no document at all is an error."""
+def iter_documents(inputs: list[str] | list[Source], json_key: str = "text", split: str = "file",
+                   bad: BadRecords | None = None) -> Iterator[Document]:
+    """The documents of `inputs` (files, folders, patterns, or ``Source``s) in order, text files
+    split by ``split``; a missing input or no document at all is an error; bad records as `bad`
+    says (default: an error)."""
+    bad = BadRecords() if bad is None else bad
     found = False
-    for path in inputs:
-        if os.path.isdir(path):
-            files = [(f, os.path.relpath(f, path)) for f in list_files(path)]
-        elif os.path.isfile(path):
-            files = [(path, os.path.basename(path))]
-        else:
-            raise FileNotFoundError(f"input {path} does not exist")
-        for file, name in files:
-            for doc in read_file(file, name, json_key, split):
-                found = True
-                yield doc
+    for source in inputs if inputs and isinstance(inputs[0], Source) else sources(inputs):
+        for doc in read_source(source, json_key, split, bad):
+            found = True
+            yield doc
     if not found:
-        raise ValueError(f"no documents in {', '.join(inputs) or 'the inputs'} (empty corpus)")
+        names = ", ".join(s.path if isinstance(s, Source) else s for s in inputs)
+        raise ValueError(f"no documents in {names or 'the inputs'} (empty corpus)")
+    bad.check_share()
 
 
-def progress(documents: Iterable, desc: str, show: bool, **kwargs) -> tqdm:
-    """A tqdm bar counting `documents`, shown when `show` and stderr is a terminal."""
-    return tqdm(documents, desc=desc, unit=" docs", disable=None if show else True, **kwargs)
+STATUS_EVERY = 60.0  # seconds between the status lines of a batch job
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def progress(items: Iterable, desc: str, show: bool, total: int | None = None, tokens=None,
+             every: float = STATUS_EVERY) -> Iterator:
+    """`items` (documents), counted: a tqdm bar when `show` and stderr is a terminal; when `show`
+    and it is not (a batch job's log), a status line every `every` seconds and one at the end:
+    documents, and with `tokens` (an item's token count) tokens, tokens/s and, with `total`
+    (documents), the ETA."""
+    if not show or sys.stderr.isatty():
+        yield from tqdm(items, desc=desc, unit=" docs", total=total, disable=None if show else True)
+        return
+    start = last = time.monotonic()
+    count = total_tokens = 0
+    for item in items:
+        yield item
+        count += 1
+        total_tokens += tokens(item) if tokens else 0
+        now = time.monotonic()
+        if now - last >= every:
+            last = now
+            eta = f", ETA {_clock((now - start) * (total - count) / count)}" if total else ""
+            print(_status(desc, count, total_tokens, now - start) + eta, file=sys.stderr, flush=True)
+    print(_status(desc, count, total_tokens, time.monotonic() - start) + f", done in {_clock(time.monotonic() - start)}",
+          file=sys.stderr, flush=True)
+
+
+def _status(desc: str, count: int, tokens: int, elapsed: float) -> str:
+    line = f"{desc}: {plural(count, 'document')}"
+    return line + (f", {tokens:,} tokens, {tokens / max(elapsed, 1e-9):,.0f} tokens/s" if tokens else "")
+
+
+@contextlib.contextmanager
+def stage(desc: str, show: bool) -> Iterator[None]:
+    """A silent stage (a native call) named while it runs: on a terminal a bar ending in its time,
+    in a log a line before and one after."""
+    if not show:
+        yield
+        return
+    if sys.stderr.isatty():
+        bar = tqdm(total=1, desc=desc, bar_format="{desc} {elapsed}")
+        try:
+            yield
+        finally:
+            bar.update()
+            bar.close()
+        return
+    start = time.monotonic()
+    print(f"{desc} ...", file=sys.stderr, flush=True)
+    yield
+    print(f"{desc}: done in {_clock(time.monotonic() - start)}", file=sys.stderr, flush=True)

@@ -1,24 +1,32 @@
 """Documents → megatron-core ``.bin/.idx`` (IndexedDataset), each document followed by EOD.
 
-Tokenization runs in `workers` processes (order kept: the output depends only on the input).
-The smallest safe token dtype is chosen as megatron does (uint16 below 65,500 ids, else int32).
-Both files are written under temporary names beside the target and renamed at the end, so an
+Tokenization runs in `workers` processes on chunks of documents, a bounded number in flight (the
+input is streamed: memory does not grow with the corpus), order kept: the output depends only on
+the input, and is byte for byte what Megatron-LM's ``tools/preprocess_data.py`` writes. The
+smallest safe token dtype is chosen as megatron does (uint16 below 65,500 ids, else int32). Every
+file is written under a temporary name beside its target and renamed at the end, so a failed or
 interrupted run never leaves a half-written prefix.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import multiprocessing
 import os
+from typing import Iterable, Iterator
 
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from fbt_megatron import processes
-from fbt_megatron.data.documents import iter_documents, progress
+from fbt_megatron.data.documents import BadRecords, iter_documents, progress
 from fbt_megatron.data.tokenizer import Tokenizer, load_tokenizer
+
+CHUNK_BYTES = 1 << 20  # text per task sent to a worker
+CHUNK_DOCUMENTS = 256
+IN_FLIGHT = 4  # chunks per worker queued or being tokenized
 
 _worker_encode = None  # a worker process's encoder, set by _start_worker
 
@@ -32,46 +40,100 @@ def _start_worker(tokenizer_path: str, dtype) -> None:
     _worker_encode = functools.partial(_document_ids, load_tokenizer(tokenizer_path), dtype)
 
 
-def _encode_in_worker(text: str) -> numpy.ndarray:
-    return _worker_encode(text)
+def _encode_in_worker(texts: list[str]) -> list[numpy.ndarray]:
+    return [_worker_encode(text) for text in texts]
+
+
+def _chunks(items: Iterable[tuple[int, str]]) -> Iterator[tuple[list[int], list[str]]]:
+    """(outputs, texts) of consecutive documents, up to CHUNK_BYTES of text or CHUNK_DOCUMENTS each."""
+    outputs, texts, size = [], [], 0
+    for output, text in items:
+        outputs.append(output)
+        texts.append(text)
+        size += len(text)
+        if size >= CHUNK_BYTES or len(texts) >= CHUNK_DOCUMENTS:
+            yield outputs, texts
+            outputs, texts, size = [], [], 0
+    if texts:
+        yield outputs, texts
+
+
+def _encoded(items: Iterable[tuple[int, str]], tokenizer: Tokenizer, dtype, workers: int) -> Iterator[tuple[int, numpy.ndarray]]:
+    """(output, ids) of each (output, text), in order; at most IN_FLIGHT chunks per worker pending."""
+    if workers <= 1:
+        for output, text in items:
+            yield output, _document_ids(tokenizer, dtype, text)
+        return
+    processes.install()  # the workers die with this process
+    with multiprocessing.Pool(workers, _start_worker, (tokenizer.path, dtype)) as pool:
+        pending: collections.deque = collections.deque()
+        for outputs, texts in _chunks(items):
+            pending.append((outputs, pool.apply_async(_encode_in_worker, (texts,))))
+            if len(pending) >= IN_FLIGHT * workers:
+                done_outputs, result = pending.popleft()
+                yield from zip(done_outputs, result.get())
+        while pending:
+            done_outputs, result = pending.popleft()
+            yield from zip(done_outputs, result.get())
+
+
+@contextlib.contextmanager
+def indexed_outputs(prefixes: list[str], dtype) -> Iterator[list[IndexedDatasetBuilder]]:
+    """One builder per prefix, writing under temporary names; on success every prefix's files are
+    finalized and renamed into place, on any failure all of them removed."""
+    tmps = [f"{prefix}.tmp-{os.getpid()}" for prefix in prefixes]
+    for prefix in prefixes:
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    builders = []
+    try:
+        builders += [IndexedDatasetBuilder(get_bin_path(tmp), dtype=dtype) for tmp in tmps]
+        yield builders
+        for builder, tmp in zip(builders, tmps):
+            builder.finalize(get_idx_path(tmp))
+        for prefix, tmp in zip(prefixes, tmps):
+            os.replace(get_bin_path(tmp), get_bin_path(prefix))
+            os.replace(get_idx_path(tmp), get_idx_path(prefix))
+    except BaseException:
+        for builder in builders:
+            builder.data_file.close()
+        for path in (p for tmp in tmps for p in (get_bin_path(tmp), get_idx_path(tmp))):
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+
+
+def tokenize_into(items: Iterable[tuple[int, str]], tokenizer_path: str, prefixes: list[str], workers: int = 1,
+                  show_progress: bool = True, desc: str | None = None, total: int | None = None) -> list[dict]:
+    """Tokenize each (output, text) into ``prefixes[output]`` (`total`: how many, if known, for the
+    progress's ETA); returns per prefix
+    ``{"documents": n, "tokens": n}`` (tokens as written, EOD included)."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    counts = [{"documents": 0, "tokens": 0} for _ in prefixes]
+    with indexed_outputs(prefixes, dtype) as builders:
+        encoded = progress(_encoded(items, tokenizer, dtype, workers), desc or os.path.basename(prefixes[0]),
+                           show_progress, total, tokens=lambda item: item[1].size)
+        for output, ids in encoded:
+            builders[output].add_document(ids, [ids.size])
+            counts[output]["documents"] += 1
+            counts[output]["tokens"] += ids.size
+    return counts
 
 
 def preprocess(
-    inputs: list[str],
+    inputs: list,
     tokenizer_path: str,
     output_prefix: str,
     json_key: str = "text",
     workers: int = 1,
     show_progress: bool = True,
+    split: str = "file",
+    skip_bad_records: str | None = None,
 ) -> dict:
-    """Tokenize the documents of `inputs` into `output_prefix`.bin/.idx; returns
-    ``{"documents": n, "tokens": n}`` (tokens as written, EOD included)."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    tmp = f"{output_prefix}.tmp-{os.getpid()}"
-    texts = (doc.text for doc in iter_documents(inputs, json_key))
-    counts = {"documents": 0, "tokens": 0}
-    builder = IndexedDatasetBuilder(get_bin_path(tmp), dtype=dtype)
-    try:
-        with contextlib.ExitStack() as stack:
-            if workers > 1:
-                processes.install()  # the workers die with this process
-                pool = stack.enter_context(multiprocessing.Pool(workers, _start_worker, (tokenizer.path, dtype)))
-                encoded = pool.imap(_encode_in_worker, texts, chunksize=16)
-            else:
-                encoded = map(functools.partial(_document_ids, tokenizer, dtype), texts)
-            for ids in progress(encoded, os.path.basename(output_prefix), show_progress):
-                builder.add_document(ids, [ids.size])
-                counts["documents"] += 1
-                counts["tokens"] += ids.size
-        builder.finalize(get_idx_path(tmp))
-        os.replace(get_bin_path(tmp), get_bin_path(output_prefix))
-        os.replace(get_idx_path(tmp), get_idx_path(output_prefix))
-    except BaseException:
-        builder.data_file.close()
-        for path in (get_bin_path(tmp), get_idx_path(tmp)):
-            if os.path.exists(path):
-                os.remove(path)
-        raise
-    return counts
+    """Tokenize the documents of `inputs` (paths, or ``documents.Source``s) into
+    `output_prefix`.bin/.idx; returns ``{"documents": n, "tokens": n}`` (tokens as written, EOD
+    included) and, when records were skipped, ``"skipped"`` by kind."""
+    bad = BadRecords(skip_bad_records)
+    texts = ((0, doc.text) for doc in iter_documents(inputs, json_key, split, bad))
+    [counts] = tokenize_into(texts, tokenizer_path, [output_prefix], workers, show_progress)
+    return {**counts, "skipped": dict(bad.counts)} if bad.skipped else counts

@@ -75,6 +75,9 @@ def lm_eval_main(args: List[str]) -> int:
     one_truncation_warning()
     args, backend = _backend(args)
     if backend == "vllm":
+        from fbt_megatron.serving import require_vllm
+
+        require_vllm("--backend vllm")
         import fbt_megatron.evaluation.vllm_lm  # noqa: F401  (registers --model fbt-vllm)
     else:
         import fbt_megatron.evaluation.lm  # noqa: F401  (registers --model fbt)

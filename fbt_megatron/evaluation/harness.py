@@ -12,6 +12,7 @@ from unittest import mock
 
 from fbt_megatron.evaluation.env import offline_environment
 from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, SPLIT_PERPLEXITY, LocalTasks
+from fbt_megatron.serving import require_vllm
 
 # (task, lm-eval metric key, column name) of the table
 METRICS = (
@@ -83,6 +84,7 @@ BACKENDS = ("hf", "vllm")
 def export_lm(export: str, backend: str = "hf", batch_size: int = 8, device: Optional[str] = None):
     """lm-eval's model of an export: ``fbt`` (transformers) or ``fbt-vllm`` (vLLM, docs/serving.md)."""
     if backend == "vllm":
+        require_vllm("--backend vllm")
         from fbt_megatron.evaluation.vllm_lm import FBTVLLM
 
         return FBTVLLM(pretrained=str(export), batch_size=batch_size)

@@ -17,6 +17,8 @@ rounding of a different batch composition). Generation (``generate_until``) pass
 
 The mode may also be written ``decode_mode=fused(2)`` (= ``fused`` with 2 prefill passes);
 ``fused`` with 0 passes is ``soft``. A model without latent feedback supports only ``standard``.
+Without ``decode_mode`` the export's own default applies (its config.json's ``decode_mode``: soft for
+an FBT model, standard for a baseline; ``decode_modes.config_mode``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import defaultdict
 from typing import List, Optional
 
 from fbt_megatron.evaluation.env import offline_environment
-from fbt_megatron.decode_modes import mode_label, parse_mode
+from fbt_megatron.decode_modes import config_mode, mode_label, named_mode
 
 offline_environment()
 
@@ -40,13 +42,15 @@ from tqdm import tqdm  # noqa: E402
 class FBTLM(HFLM):
     """lm-eval's ``hf`` model with FBT's decode modes (see the module docstring)."""
 
-    def __init__(self, pretrained, decode_mode: str = "standard", fused_prefill_passes: Optional[int] = None, **kwargs):
-        self.decode_mode, self.fused_prefill_passes = parse_mode(decode_mode, fused_prefill_passes)
+    def __init__(self, pretrained, decode_mode: Optional[str] = None, fused_prefill_passes: Optional[int] = None,
+                 **kwargs):
+        named = named_mode(decode_mode, fused_prefill_passes)
         kwargs.setdefault("trust_remote_code", True)
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         super().__init__(pretrained, **kwargs)
         config = self.model.config
+        self.decode_mode, self.fused_prefill_passes = named or config_mode(config)
         if self.decode_mode != "standard":
             if not getattr(config, "latent_feedback", False):
                 raise ValueError(f"{pretrained}: the model has no latent feedback (a baseline): "

@@ -11,7 +11,8 @@ which every request carries the mode in ``SamplingParams.extra_args``. A loglike
 prefill and feeds the continuation's positions back one at a time, which equals the HF export's
 ``decode_logits`` and so the ``fbt`` model (``lm.py``). The mode is per request, so one engine
 serves every mode (``decode_mode`` can be changed between evaluations, as ``harness`` does).
-Chunked prefill is off (fused(n) needs the whole prompt in one step).
+Chunked prefill is off (fused(n) needs the whole prompt in one step). Without ``decode_mode`` the
+export's own default applies (soft for an FBT model, standard for a baseline), as in ``lm.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 from typing import Optional
 
 from fbt_megatron.evaluation.env import offline_environment
-from fbt_megatron.decode_modes import mode_label, parse_mode
+from fbt_megatron.decode_modes import config_mode, mode_label, named_mode
 
 offline_environment()
 
@@ -35,17 +36,19 @@ class FBTVLLM(VLLM):
 
     quiet = False  # True: no progress bars (a caller shows its own)
 
-    def __init__(self, pretrained, decode_mode: str = "standard", fused_prefill_passes: Optional[int] = None, **kwargs):
+    def __init__(self, pretrained, decode_mode: Optional[str] = None, fused_prefill_passes: Optional[int] = None,
+                 **kwargs):
         from fbt_megatron.serving.plugin import register
 
         register()  # lm-eval loads the config and tokenizer before vLLM loads its plugins
-        self.decode_mode, self.fused_prefill_passes = parse_mode(decode_mode, fused_prefill_passes)
+        named = named_mode(decode_mode, fused_prefill_passes)
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("enforce_eager", True)
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the plugin hooks the V1 runner (GPU default: V2)
         kwargs.pop("trust_remote_code", None)  # the plugin registers the export's code
         super().__init__(pretrained, **kwargs)
+        self.decode_mode, self.fused_prefill_passes = named or config_mode(self._config)
         if self.decode_mode != "standard" and not getattr(self._config, "latent_feedback", False):
             raise ValueError(f"{pretrained}: the model has no latent feedback (a baseline): only decode_mode=standard, "
                              f"not {self.mode}")

@@ -2,11 +2,16 @@
 
     python -m fbt_megatron.generate --load RUN --prompt "def f(" [--prompt ...] [--mode soft]
         [--fused-passes N] [--tolerance 1e-3 --max-passes 8] [--max-new-tokens 32]
-        [--temperature 0 --top-p 1 --seed 0] [--ckpt-step N] [--tokenizer-model FILE]
+        [--temperature 0 --top-p 1 --seed 0] [--ckpt-step N] [--tokenizer-model FILE] [--print-ids]
+    python -m fbt_megatron.generate --load SFT_RUN --chat --prompt "What does json.loads do?" [--system TEXT]
 
 Several prompts are generated as one batch. The mode defaults to soft decoding for an FBT run and
-standard decoding for a baseline; generation stops at the tokenizer's end of document unless
---ignore-eod. Bad input is one ``error:`` line and exit code 2.
+standard decoding for a baseline (``decode_modes.default_mode``, as the export, vLLM and lm-eval);
+generation stops at the tokenizer's end of document unless
+--ignore-eod. With ``--chat`` every ``--prompt`` is a user message (after ``--system``'s, if given),
+rendered with the chat template the SFT run trained with (``add_generation_prompt``, tokenized as
+training tokenized it) and only the reply is printed. Bad input is one ``error:`` line and exit
+code 2.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
                    help="a prompt as space-separated token ids (also for runs without a text tokenizer)")
+    p.add_argument("--chat", action="store_true",
+                   help="each --prompt is a user message, in the chat template the SFT run trained with; prints the reply")
+    p.add_argument("--system", metavar="TEXT", help="--chat: a system message before each user message")
     p.add_argument("--mode", metavar="MODE",
                    help=f"one of {', '.join(MODES)} (default: fused with --fused-passes, soft with latent feedback, "
                         "else standard)")
@@ -46,6 +54,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="longest prompt + generation (default: the run's seq_length)")
     p.add_argument("--ignore-eod", action="store_true", help="do not stop at the end-of-document token")
     p.add_argument("--no-cache", action="store_true", help="recompute every position (slow; for checks)")
+    p.add_argument("--print-ids", action="store_true", help="print each sequence as token ids, not text (for checks)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     args = p.parse_args(argv)
     if args.mode is not None and args.mode not in MODES:
@@ -56,6 +65,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.mode = "fused"
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give at least one --prompt TEXT or --prompt-ids IDS")
+    if args.chat and args.prompt_ids:
+        raise ValueError("--chat takes user messages as --prompt TEXT, not --prompt-ids")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat's system message: add --chat")
     return args
 
 
@@ -66,8 +79,23 @@ def _ids(text: str) -> List[int]:
         raise ValueError(f"--prompt-ids {text!r}: expected space-separated integers") from None
 
 
+def chat_prompts(run, messages: List[str], system: Optional[str]) -> List[List[int]]:
+    """Token ids of one-turn chats (each user message, after the system message if any) ending in
+    the assistant's header, as the SFT run's training rendered and tokenized its prompts."""
+    from fbt_megatron.data.sft import sft_chat_template
+    from fbt_megatron.data.sft.chat import ChatEncoder
+
+    if not getattr(run.recipe.data, "sft", False):
+        raise ValueError(f"--chat needs an SFT run (its chat template); {run.folder} was not trained with --sft")
+    encoder = ChatEncoder(run.tokenizer, *sft_chat_template(run.recipe.data))
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [encoder.tokens(encoder.render([*head, {"role": "user", "content": m}], add_generation_prompt=True))
+            for m in messages]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from fbt_megatron.cli import plural, quiet_library_warnings
+    from fbt_megatron.decode_modes import default_mode
     from fbt_megatron.errors import ArgumentError
     from fbt_megatron.generate.decoding import generate
     from fbt_megatron.runs import describe, load_run
@@ -78,11 +106,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     run = load_run(args.load, iteration=args.ckpt_step, tokenizer_model=args.tokenizer_model)
     tokenizer = run.tokenizer
-    latent = run.model.config.latent_feedback
-    mode = args.mode or ("soft" if latent else "standard")
+    mode = args.mode or default_mode(run.model.config.latent_feedback)
     if args.prompt and not hasattr(tokenizer, "tokenize"):
         raise ValueError("this run's vocabulary has no text tokenizer: give prompts with --prompt-ids")
-    prompts = [tokenizer.tokenize(text) for text in args.prompt] + [_ids(text) for text in args.prompt_ids]
+    if args.chat:
+        prompts = chat_prompts(run, args.prompt, args.system)
+    else:
+        prompts = [tokenizer.tokenize(text) for text in args.prompt] + [_ids(text) for text in args.prompt_ids]
     eod = getattr(tokenizer, "eod", None)
     stops = () if args.ignore_eod or eod is None else (eod,)
     try:
@@ -105,8 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ended = bool(generated) and generated[-1] in stops
         body = generated[:-1] if ended else generated
         print(f"--- {i} ({plural(len(generated), 'token')}{', end of document' if ended else ''})")
-        if hasattr(tokenizer, "detokenize"):
-            print(tokenizer.detokenize(prompt + body))
+        if hasattr(tokenizer, "detokenize") and not args.print_ids:
+            print(tokenizer.detokenize(body if args.chat else prompt + body))
         else:
             print(" ".join(map(str, prompt + body)))
     return 0

@@ -54,7 +54,7 @@ def generate(
     model,
     prompts: Sequence[Sequence[int]],
     *,
-    mode: str = "standard",
+    mode: Optional[str] = None,
     fused_passes: int = 0,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
@@ -69,7 +69,8 @@ def generate(
     vocab_size: Optional[int] = None,
 ) -> Generation:
     """Up to ``max_new_tokens`` tokens after each prompt (token ids; lengths may differ), in ``mode``
-    (module docstring; ``fused_passes`` is fused's n, ``tolerance`` and ``max_passes`` adaptive's).
+    (module docstring; ``fused_passes`` is fused's n, ``tolerance`` and ``max_passes`` adaptive's;
+    None: soft with latent feedback, standard for a baseline, ``decode_modes.default_mode``).
     Greedy when ``temperature`` is 0, else sampled at that temperature from the smallest set of
     tokens whose probability reaches ``top_p``; sequence i draws from a generator seeded with
     ``seed + i``. A token in ``stop_tokens`` ends its sequence. ``max_length`` (default the model's
@@ -104,7 +105,7 @@ def forced_logits(
     prompts: Sequence[Sequence[int]],
     continuations: Sequence[Sequence[int]],
     *,
-    mode: str = "standard",
+    mode: Optional[str] = None,
     fused_passes: int = 0,
     tolerance: float = 1e-3,
     max_passes: int = 8,
@@ -187,6 +188,8 @@ def _decode(model, prompts, outputs: List[int], choose: Callable, mode, fused_pa
     """Runs the batch. Sequence i yields logits at positions len(prompt_i) − 1 … + outputs[i] − 1;
     after each, ``choose(i, logits)`` names the token fed at the next position (None: finished).
     Returns (prefill passes, per-sequence logits [n, V] fp32 on the CPU, or None)."""
+    if mode is None:
+        mode = "fused" if fused_passes else decode_modes.default_mode(model.config.latent_feedback)
     num_passes = _pass_count(model, mode, fused_passes, tolerance, max_passes)
     was_training = model.training
     model.eval()

@@ -22,3 +22,13 @@ registers the model, the config and the tokenizer in every vLLM process.
 
 Importing this package imports neither vllm nor torch. See docs/serving.md.
 """
+
+REQUIREMENTS = "pip install -r requirements-serve.txt (or make serve-setup; docs/serving.md)"
+
+
+def require_vllm(what: str) -> None:
+    """A one-line ValueError when vLLM is not installed in this environment: ``what`` needs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"{what} needs vLLM, which this environment lacks: {REQUIREMENTS}")

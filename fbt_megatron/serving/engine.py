@@ -6,7 +6,9 @@ export's defaults that requests fall back to.
 
 * refuses, in one line, what the fed-back state does not support: speculative decoding, pipeline
   parallelism, the GPU "model runner V2" (``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1 runner the
-  hooks are written for) and CUDA graphs (``--enforce-eager``: a step's number of passes is data);
+  hooks are written for), CUDA graphs (``--enforce-eager``: a step's number of passes is data) and,
+  on CPU, a head dimension vLLM's CPU attention does not take (the engine would die on the first
+  request);
 * adds ``requests.FBTRequests`` to the engine's logits processors (the per-request admission);
 * records the export's defaults (``decode_mode``, ``fused_prefill_passes`` of config.json or
   ``--hf-overrides``) for that admission, which runs in the same process.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from fbt_megatron.decode_modes import config_mode
 
 REQUESTS = "fbt_megatron.serving.requests:FBTRequests"
 
@@ -36,10 +40,13 @@ def current() -> Optional[ExportDefaults]:
 
 
 def export_defaults(hf_config, scheduler_config) -> ExportDefaults:
+    """The export's default mode (``decode_modes.config_mode``: its config.json's, or soft with latent
+    feedback and standard without where it names none) and the engine's prefill chunking."""
+    mode, passes = config_mode(hf_config)
     return ExportDefaults(
         latent_feedback=bool(getattr(hf_config, "latent_feedback", False)),
-        decode_mode=getattr(hf_config, "decode_mode", "standard") or "standard",
-        fused_prefill_passes=int(getattr(hf_config, "fused_prefill_passes", 0) or 0),
+        decode_mode=mode,
+        fused_prefill_passes=passes,
         chunked_prefill=bool(scheduler_config.enable_chunked_prefill)
         or int(getattr(scheduler_config, "long_prefill_token_threshold", 0) or 0) > 0,
     )
@@ -58,7 +65,53 @@ def refusal(vllm_config) -> Optional[str]:
 
     if current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
         return "FBT steps run a data-dependent number of passes: start the engine with --enforce-eager on GPUs"
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        head_dim = vllm_config.model_config.hf_config.head_dim
+        if head_dim not in sizes:
+            return (f"this export's head_dim {head_dim} is not one vLLM's CPU attention takes "
+                    f"({', '.join(map(str, sizes))}): export a model trained with one of these (--kv-channels)")
     return None
+
+
+class EngineRefusal(ValueError):
+    """An engine configuration that cannot serve an FBT export (``refusal``)."""
+
+
+def _refusal_in(exc: BaseException) -> Optional[EngineRefusal]:
+    """The EngineRefusal ``exc`` is or wraps (pydantic wraps it in VllmConfig's ValidationError)."""
+    if isinstance(exc, EngineRefusal):
+        return exc
+    try:
+        for error in exc.errors():  # pydantic's ValidationError
+            if isinstance((error.get("ctx") or {}).get("error"), EngineRefusal):
+                return error["ctx"]["error"]
+    except Exception:
+        pass
+    return None
+
+
+def one_line_refusals() -> None:
+    """A refusal nobody catches (``vllm serve``, a script's ``LLM(...)``) ends the process with one
+    ``error:`` line and exit code 2 instead of vLLM's traceback; every other error is left as it is."""
+    import os
+    import sys
+
+    if getattr(sys.excepthook, "_fbt", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, exc, traceback):
+        refusal = _refusal_in(exc)
+        if refusal is None:
+            return previous(kind, exc, traceback)
+        print(f"error: {refusal}", file=sys.stderr, flush=True)
+        os._exit(2)  # at the top level, before any engine process started
+
+    hook._fbt = True
+    sys.excepthook = hook
 
 
 class FBTEngineConfig:
@@ -69,7 +122,7 @@ class FBTEngineConfig:
         global _CURRENT
         reason = refusal(vllm_config)
         if reason:
-            raise ValueError(reason)
+            raise EngineRefusal(reason)
         model_config = vllm_config.model_config
         processors = list(model_config.logits_processors or [])
         if REQUESTS not in processors:

@@ -3,8 +3,8 @@
 vLLM calls ``register`` in every process it starts (frontend, engine core, workers); it is
 idempotent. It registers the export's config class (``AutoConfig``) and tokenizer
 (``AutoTokenizer``) with transformers, so an export loads without ``trust_remote_code``; the model
-``FBTForCausalLM`` and its engine-configuration hook with vLLM; and the runner and prefix-cache
-hooks (``runner``, ``prefix_cache``).
+``FBTForCausalLM`` and its engine-configuration hook with vLLM; and the runner, prefix-cache and
+beam-search hooks (``runner``, ``prefix_cache``, ``requests``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def register() -> None:
 
     from fbt_megatron.convert.hf.configuration_fbt import FBTConfig
     from fbt_megatron.convert.hf.tokenization_fbt import FBTTokenizer
-    from fbt_megatron.serving import prefix_cache, runner
-    from fbt_megatron.serving.engine import FBTEngineConfig
+    from fbt_megatron.serving import prefix_cache, requests, runner
+    from fbt_megatron.serving.engine import FBTEngineConfig, one_line_refusals
 
     AutoConfig.register(FBTConfig.model_type, FBTConfig, exist_ok=True)
     AutoTokenizer.register(FBTConfig, slow_tokenizer_class=FBTTokenizer, exist_ok=True)
@@ -29,3 +29,5 @@ def register() -> None:
     MODELS_CONFIG_MAP[ARCHITECTURE] = FBTEngineConfig
     runner.install()
     prefix_cache.install()
+    requests.install()
+    one_line_refusals()

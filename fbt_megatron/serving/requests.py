@@ -9,9 +9,11 @@ OpenAI API.
 
 ``FBTRequests`` is a no-op logits processor whose ``validate_params`` runs in the frontend for every
 request (vLLM's per-request admission hook): a bad mode, or soft/fused on an export without latent
-feedback, is that request's error (HTTP 400 from the server), never the engine's. It writes the
-resolved mode back into ``extra_args`` (so the engine core and the workers need no defaults) and
-keeps soft/fused requests from reading the prefix cache (``prefix_cache``).
+feedback, or a key that is none of the above (nor vLLM's own), is that request's error (HTTP 400
+from the server), never the engine's. It writes the resolved mode back into ``extra_args`` (so the
+engine core and the workers need no defaults) and keeps soft/fused requests from reading the prefix
+cache (``prefix_cache``). Beam search, which vLLM runs without the request's extra_args, is served
+in standard mode only (``install``: refused otherwise, HTTP 400).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fbt_megatron.decode_modes import mode_label, parse_mode
 from fbt_megatron.serving import engine
 
 KEYS = ("decode_mode", "fused_prefill_passes", "prompt_length")
+VLLM_KEYS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")  # vLLM's own extra_args
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,14 @@ class RequestMode:
 
 
 def request_mode(extra_args: Optional[dict], defaults: "engine.ExportDefaults") -> RequestMode:
-    """The request's mode from its extra_args and the export's defaults; ValueError (one line)."""
+    """The request's mode from its extra_args and the export's defaults; ValueError (one line), also
+    for a key that is neither FBT's nor vLLM's (a misspelt ``decode_mod`` would else be served in the
+    default mode)."""
     args = extra_args or {}
+    unknown = [k for k in args if k not in KEYS and k not in VLLM_KEYS]
+    if unknown:
+        raise ValueError(f"unknown vllm_xargs key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                         f"an FBT request takes {', '.join(KEYS)}")
     mode = args.get("decode_mode")
     passes = args.get("fused_prefill_passes")
     if mode is None:
@@ -71,6 +80,63 @@ def normalized(mode: RequestMode) -> dict:
     if mode.prompt_length is not None:
         out["prompt_length"] = mode.prompt_length
     return out
+
+
+def beam_search_refusal(extra_args: Optional[dict], offline: bool = False) -> Optional[str]:
+    """Why a beam-search request (its ``vllm_xargs``; ``offline``: ``LLM.beam_search``, which takes
+    none) cannot be served, or None.
+    vLLM's beam search runs every step as a new one-token request over prompt + beam, without the
+    request's extra_args: a plain prefill, which is standard decoding exactly; soft/fused beams would
+    need each beam's fed-back state. So a beam search must resolve to standard."""
+    defaults = engine.current()
+    if defaults is None:
+        return None
+    mode = request_mode(extra_args, defaults)  # a bad mode or key: that error
+    if not mode.feedback:
+        return None
+    fix = ('start the engine with hf_overrides={"decode_mode": "standard"}' if offline else
+           'send vllm_xargs {"decode_mode": "standard"} with use_beam_search')
+    return (f"beam search decodes in standard mode only (vLLM's beam search runs each step as a new prompt, without "
+            f"the fed-back state), and this request's mode is {mode.label}: {fix}, or decode greedily or by "
+            f"sampling in {mode.label}")
+
+
+def install() -> None:
+    """Beam search refused unless standard: the OpenAI requests' ``to_beam_search_params`` (completions
+    and chat; a ValueError there is the server's HTTP 400) and the offline ``LLM.beam_search``."""
+    import functools
+
+    from vllm import LLM
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    for cls in (CompletionRequest, ChatCompletionRequest):
+        original = cls.to_beam_search_params
+        if getattr(original, "_fbt", False):
+            continue
+
+        @functools.wraps(original)
+        def to_beam_search_params(self, *args, _original=original, **kwargs):
+            reason = beam_search_refusal(self.vllm_xargs)
+            if reason:
+                raise ValueError(reason)
+            return _original(self, *args, **kwargs)
+
+        to_beam_search_params._fbt = True
+        cls.to_beam_search_params = to_beam_search_params
+
+    if not getattr(LLM.beam_search, "_fbt", False):
+        original_llm = LLM.beam_search
+
+        @functools.wraps(original_llm)
+        def beam_search(self, *args, **kwargs):
+            reason = beam_search_refusal(None, offline=True)
+            if reason:
+                raise ValueError(reason)
+            return original_llm(self, *args, **kwargs)
+
+        beam_search._fbt = True
+        LLM.beam_search = beam_search
 
 
 class FBTRequests(LogitsProcessor):

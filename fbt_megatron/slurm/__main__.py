@@ -1,7 +1,8 @@
 """``python -m fbt_megatron.slurm submit ...``: render a training job (or a chain of them) from
 slurm/ and submit it with sbatch, after planning every stage for the requested nodes × GPUs
 (``--dry-run``: print the plans and scripts). ``serve EXPORT`` and ``evaluate MODEL ...``: a vLLM
-server, or an lm-eval table, on one GPU node. Inside a job: ``python -m fbt_megatron.slurm
+server, or an lm-eval table, on one GPU node. ``prepare``: a corpus tokenized over many nodes (a
+job array of shards, then their merge). Inside a job: ``python -m fbt_megatron.slurm
 torchrun ...`` and ``python -m fbt_megatron.slurm task ...`` start the training processes (``launch``)."""
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ EVALUATE_EXAMPLES = """example:
   python -m fbt_megatron.slurm evaluate runs/1b/exports/sft-iter22889 --output runs/1b/eval/sft-vllm.md \\
       --time 02:00:00 --partition gpu -- --modes standard 'fused(2)'
 Flags after -- go to tools/eval.py."""
+PREPARE_EXAMPLES = """example:
+  python -m fbt_megatron.slurm prepare --input '/data/web/*.jsonl.zst' --tokenizer /data/tokenizer.model \\
+      --output-prefix /data/web_text_document --shards 64 --time 04:00:00 --partition cpu -- --skip-bad-records 0.01%
+Flags after -- go to tools/preprocess_data.py."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +89,11 @@ def parser() -> argparse.ArgumentParser:
                         "--stage-args sft='--train-data-path [/data/chat.jsonl]' (repeatable)")
     s.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
                    help="training jobs take whole nodes (default; --no-exclusive needs --cpus-per-task)")
+    s.add_argument("--procs-per-node", type=int, default=1, metavar="N",
+                   help="training processes per node with --gpus-per-node 0 (CPU; default 1)")
+    s.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="requeue a failed job (a crash, a killed rank, a hang, a lost node) up to N times from one "
+                        "checkpoint; exit code 2 (bad input) is never retried (default 3)")
     s.add_argument("--launch", choices=script.LAUNCHES, default="torchrun",
                    help="torchrun: one task per node running torchrun; tasks: one task per GPU (default torchrun)")
     s.add_argument("--signal-margin", type=int, default=180, metavar="SECONDS",
@@ -107,6 +117,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", choices=("vllm", "hf"), default="vllm", help="vLLM's engine (default) or transformers")
     e.add_argument("--gpus", type=int, default=1, help="GPUs of the job (default 1)")
     e.add_argument("--name", help="job name (default eval-<output file name>)")
+    r = commands.add_parser("prepare", help="tokenize a corpus over many nodes: a job array of shards, then their merge",
+                            parents=[common], epilog=PREPARE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--input", nargs="+", required=True, help="files, folders or glob patterns (tools/preprocess_data.py)")
+    r.add_argument("--tokenizer", required=True, help="a sentencepiece .model, tokenizer.json or .tiktoken file")
+    r.add_argument("--output-prefix", required=True, help="the merged PREFIX.bin/.idx (shards: PREFIX_shard-IIIII-of-NNNNN)")
+    r.add_argument("--shards", type=int, required=True, help="array tasks, one shard of the inputs' files each")
+    r.add_argument("--name", help="job name (default prepare-<output prefix name>)")
     commands.add_parser("torchrun", help="inside a job: torchrun, ending with one line on SIGTERM (--launch torchrun)")
     commands.add_parser("task", help="inside a job: one training process per task (--launch tasks)")
     return p
@@ -145,6 +162,11 @@ def run_submit(args, train_flags) -> int:
     from fbt_megatron.slurm import preflight, submit  # the recipe's flags: megatron-core's config
 
     res = resources(args, args.nodes, args.gpus_per_node)
+    if args.procs_per_node < 1 or (args.procs_per_node > 1 and args.gpus_per_node):
+        raise RecipeError(f"--procs-per-node {args.procs_per_node}: give 1 or more, with --gpus-per-node 0 (GPU nodes run one per GPU)")
+    if args.max_restarts < 0:
+        raise RecipeError(f"--max-restarts {args.max_restarts}: give 0 (no retries) or more")
+    res.cpu_procs_per_node = args.procs_per_node
     limit = script.parse_time(args.time)
     if not 0 < args.signal_margin < limit:
         raise RecipeError(f"--signal-margin {args.signal_margin}: must be between 0 and the time limit ({limit} s)")
@@ -176,7 +198,7 @@ def run_submit(args, train_flags) -> int:
     check.problems += preflight.environment_problems(res, sys.executable)
     preflight.refuse_on(check, "; the flags of one stage of a chain: --stage-args STAGE='FLAGS'" if args.chain else "")
     eval_args = shlex.split(args.eval_args or "") if args.chain else None
-    submit.submit(stages, res, args.launch, args.signal_margin, eval_args, runs_root, args.dry_run)
+    submit.submit(stages, res, args.launch, args.signal_margin, eval_args, runs_root, args.dry_run, args.max_restarts)
     return 0
 
 
@@ -210,6 +232,18 @@ def run_evaluate(args, eval_args) -> int:
     return 0
 
 
+def run_prepare(args, tool_args) -> int:
+    from fbt_megatron.slurm import prepare, submit
+
+    res = resources(args, 1, 0)
+    prepare.check(args.input, args.tokenizer, args.output_prefix, args.shards)
+    name = args.name or f"prepare-{Path(args.output_prefix).name}"
+    jobs = prepare.jobs(name, args.input, args.tokenizer, args.output_prefix, args.shards, tool_args, res, Path.cwd(),
+                        sys.executable)
+    submit.submit_jobs(jobs, res.log_dir, args.dry_run)
+    return 0
+
+
 def main(argv=None) -> int:
     quiet_library_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -219,7 +253,7 @@ def main(argv=None) -> int:
         return launch.task(argv[1:])
     ours, passed = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser().parse_args(ours)
-    return {"submit": run_submit, "serve": run_serve, "evaluate": run_evaluate}[args.command](args, passed)
+    return {"submit": run_submit, "serve": run_serve, "evaluate": run_evaluate, "prepare": run_prepare}[args.command](args, passed)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 ARGS``: torchrun's own command line). On SIGTERM — Slurm's requeue or cancel, or the job script's
 forwarded time-limit signal — torchrun forwards TERM to its workers, waits for them (they save a
 checkpoint at the next step boundary) and then raises; here that ends with one line instead of a
-traceback, exit code 128 + the signal.
+traceback, exit code 128 + the signal. A worker that fails ends torchrun with that worker's exit code
+(128 + the signal that killed it), not torchrun's 1: the job script tells bad input (2) and a hang
+(124) from a crash by it (``resilience.attempts``).
 
 ``tasks``: one Slurm task per GPU, no torchrun (``python -m fbt_megatron.slurm task ARGS``: the
 training's command line). megatron-core 0.16 and torch.distributed read only torch's names, so
@@ -41,10 +43,15 @@ def task(train_args: List[str]) -> NoReturn:
 def torchrun(torchrun_args: List[str]) -> int:
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from fbt_megatron.stopping import failed_worker
 
     try:
         run.main(torchrun_args)
     except SignalException as e:
         print(f"torchrun: {e.sigval.name}: the workers were sent {e.sigval.name} and have ended", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        return failed_worker(e)
     return 0

@@ -80,7 +80,54 @@ def data_problems(recipe: Recipe, prepared: Sequence[Path] = ()) -> List[str]:
     if d.tokenizer_model is not None:
         found.append(_missing("data.tokenizer_model", d.tokenizer_model, [d.tokenizer_model], "the tokenizer file",
                               [*prepared, *filter(None, [prepared_folder(recipe)])]))
+    found = [problem for problem in found if problem]
+    if not found and d.train_data_path is not None and not d.sft:
+        found += vocabulary_problems(recipe)
+    return found
+
+
+def vocabulary_problems(recipe: Recipe) -> List[str]:
+    """A blend's token ids against its tokenizer (``data.datasets.token_id_problem``: a sample of
+    each prefix), and the tokenizer against the vocabulary the stage is planned with (the preset's:
+    a larger tokenizer would not fit the plan). A file that does not read as a tokenizer is left to
+    the run's own one-line refusal at start."""
+    from fbt_megatron.config import PRESETS
+    from fbt_megatron.data.datasets import token_id_problem
+    from fbt_megatron.data.tokenizer import load_tokenizer
+
+    d = recipe.data
+    try:
+        size = load_tokenizer(d.tokenizer_model).vocab_size
+    except ValueError:
+        return []
+    planned = PRESETS[recipe.model.preset]["vocab_size"]
+    found = [token_id_problem(str(item), size, d.tokenizer_model, f"data.{key}")
+             for key in ("train_data_path", "valid_data_path") for item in getattr(d, key) or []
+             if not isinstance(item, (int, float))]
+    if size > planned:
+        found.append(f"data.tokenizer_model {d.tokenizer_model} has {size:,} ids, more than the {planned:,} of the "
+                     f"{recipe.model.preset} model the recipe plans: use a tokenizer of at most {planned:,} ids")
     return [problem for problem in found if problem]
+
+
+def vocabulary_note(recipe: Recipe) -> Optional[str]:
+    """A line when a blend's tokenizer is smaller than the preset's vocabulary: the run's embedding
+    has the tokenizer's size, not the one the recipe was planned with."""
+    from fbt_megatron.config import PRESETS
+    from fbt_megatron.data.tokenizer import load_tokenizer
+
+    d = recipe.data
+    if d.train_data_path is None or d.sft or d.tokenizer_model is None or not Path(d.tokenizer_model).is_file():
+        return None
+    try:
+        size = load_tokenizer(d.tokenizer_model).vocab_size
+    except ValueError:
+        return None
+    planned = PRESETS[recipe.model.preset]["vocab_size"]
+    if size >= planned:
+        return None
+    return (f"note: the tokenizer {d.tokenizer_model} has {size:,} ids: the model's embedding has that many rows, not "
+            f"the {planned:,} of the {recipe.model.preset} preset (parameters and the plan are smaller)")
 
 
 def environment_problems(res: Resources, python: str, vllm: bool = False) -> List[str]:
@@ -113,7 +160,7 @@ def plan_stage(stage: Stage, res: Resources, gpu=None, gpu_memory_gb: Optional[f
     from fbt_megatron.plan.planner import _count, batch_fit, gib, make_plan
 
     problems = []
-    world, recipe = res.nodes * max(res.gpus_per_node, 1), stage.config
+    world, recipe = res.nodes * res.procs_per_node, stage.config
     batch = batch_fit(recipe, world)
     if batch is not None and fit:
         notes = [batch.apply()]
@@ -137,6 +184,7 @@ def plan_stage(stage: Stage, res: Resources, gpu=None, gpu_memory_gb: Optional[f
             problem = f"checkpoint.pretrained_checkpoint {stage.pretrained} holds no checkpoint to start from"
         problems += [problem] if problem else []
     problems += data_problems(stage.config, prepared)
+    notes += filter(None, [vocabulary_note(stage.config)])
     if plan is None:
         return Check(problems, notes)
     lay, t = plan.layout, recipe.training

@@ -51,6 +51,12 @@ class Resources:
     environment: Dict[str, str] = field(default_factory=dict)  # exported in the job after the defaults
     cpus_per_task: Optional[int] = None  # None: training jobs take whole nodes (--exclusive)
     exclusive: bool = True
+    cpu_procs_per_node: int = 1  # training processes per CPU node (--gpus-per-node 0)
+
+    @property
+    def procs_per_node(self) -> int:
+        """Training processes per node: one per GPU, or cpu_procs_per_node on CPU nodes."""
+        return self.gpus_per_node or self.cpu_procs_per_node
 
     def options(self, gpus: Optional[int] = None, cpus_per_task: Optional[int] = None, exclusive: Optional[bool] = None) -> str:
         """#SBATCH lines: partition, account, GPUs per node, CPUs (whole nodes and/or CPUs per task),
@@ -121,14 +127,20 @@ class Stage:
         return args + (["--pretrained-checkpoint", str(self.pretrained)] if self.pretrained else [])
 
 
-def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: int, workdir: Path, python: str) -> str:
-    procs = max(res.gpus_per_node, 1)
+def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: int, workdir: Path, python: str,
+                    max_restarts: int) -> str:
+    """The job of one stage; failed attempts are requeued up to ``max_restarts`` times from one checkpoint."""
+    procs = res.procs_per_node
+    # the attempts' record and retry budget runs in the batch shell: outside a container, its python3
+    attempts = ["python3" if res.container_image else res.python(python),
+                shlex.quote(str(REPOSITORY / "fbt_megatron" / "resilience" / "attempts.py"))]
     return render(
         "train.sbatch", name=stage.name, nodes=res.nodes, tasks_per_node=1 if launch == "torchrun" else procs,
         time=res.time, log_dir=shlex.quote(str(res.log_dir)), signal_seconds=signal_seconds, sbatch_options=res.options(),
         workdir=shlex.quote(str(workdir)), launch=launch, procs_per_node=procs, save=shlex.quote(str(stage.save)),
         train_iters=stage.train_iters, train_args=quoted(stage.train_args()), container=res.container(workdir),
         python=res.python(python), environment=res.exports(), repository=shlex.quote(str(REPOSITORY)),
+        max_restarts=max_restarts, attempts=" ".join(attempts),
     )
 
 

@@ -94,6 +94,10 @@ def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int
     lengths = documents.sequence_lengths.tolist()  # per document, EOD included
     del documents
     manifest = _manifest(corpus_folder)
+    if manifest["splits"]["train"].get("docs") is None:  # a large corpus keeps no copy of its train split
+        raise ValueError(f"{corpus_folder} keeps no copy of its train split's documents (it was larger than the "
+                         "tokenizer's sample when prepared), and a subset is made of whole documents: prepare it again "
+                         "with --tokenizer-sample-bytes above its size")
     shared = shared_with_validation(corpus_folder, manifest) if max_shared_lines is not None else []
     excluded = {i: name for i, (name, n) in enumerate(shared) if n > max_shared_lines}
     cap = tokens * max_document_share if max_document_share is not None else tokens

@@ -5,6 +5,7 @@ decode     generation: Soft / Fused(n) against Standard, the HF export against L
 optimizer  the optimizer step: NorMuon + Adam against Adam (--optimizers)
 serving    an export served by vLLM: soft / standard decode, fused(n) prefill, vLLM / HF generate
            (--serving; only where vLLM is installed: requirements-serve.txt)
+data       corpus preparation: preprocess_data against the raw tokenizer, peak memory (--data)
 measure    what they measure with: interleaved timing rounds, saved activations, ratios, settings
 report     the one report: a table of the variants, the ratios with their goals, notes
 
@@ -14,6 +15,6 @@ A benchmark is a module with ``FLAG`` (its command-line switch; None for the def
 writing such a module and listing it in ``BENCHMARKS``.
 """
 
-from . import decode, optimizer, serving, step
+from . import data, decode, optimizer, serving, step
 
-BENCHMARKS = (step, decode, optimizer, serving)
+BENCHMARKS = (step, decode, optimizer, serving, data)

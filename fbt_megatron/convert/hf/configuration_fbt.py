@@ -47,7 +47,9 @@ class FBTConfig(PreTrainedConfig):
         qk_norm: RMSNorm (over head_dim) on queries and keys.
         latent_feedback: the model has the FBT fusion (False: the plain baseline, standard decoding only).
         feedback_source: the top state fed back, "residual" (h_L) or "final_norm" (RMSNorm_final(h_L)).
-        decode_mode: default mode of ``generate``/``decode_logits``: "standard", "soft" or "fused".
+        decode_mode: default mode of ``generate``/``decode_logits`` (and of vLLM requests naming none):
+            "standard", "soft" or "fused"; None: "soft" with latent feedback (the method's mode),
+            "standard" for a baseline (the project's one default, ``fbt_megatron.decode_modes``).
         fused_prefill_passes: default n of fused(n) decoding (extra fused passes over the prompt).
     """
 
@@ -74,7 +76,7 @@ class FBTConfig(PreTrainedConfig):
     qk_norm: bool = True
     latent_feedback: bool = True
     feedback_source: str = "residual"
-    decode_mode: str = "standard"
+    decode_mode: str | None = None
     fused_prefill_passes: int = 0
     initializer_range: float = 0.02
     attention_dropout: float = 0.0
@@ -92,6 +94,8 @@ class FBTConfig(PreTrainedConfig):
             ]
         if self.residual_scale is None:
             self.residual_scale = 1.0 / math.sqrt(2 * self.num_hidden_layers)
+        if self.decode_mode is None:
+            self.decode_mode = "soft" if self.latent_feedback else "standard"
         super().__post_init__(**kwargs)
 
     def layer_is_windowed(self, layer: int) -> bool:
@@ -115,6 +119,9 @@ class FBTConfig(PreTrainedConfig):
             raise ValueError(f"feedback_source must be 'residual' or 'final_norm', got {self.feedback_source!r}")
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
+        if self.decode_mode != "standard" and not self.latent_feedback:
+            raise ValueError(f"decode_mode {self.decode_mode!r} needs latent feedback; this model has none (a baseline): "
+                             "use decode_mode 'standard'")
         if self.fused_prefill_passes < 0:
             raise ValueError(f"fused_prefill_passes must be >= 0, got {self.fused_prefill_passes}")
 

@@ -541,14 +541,18 @@ class FBTForCausalLM(FBTPreTrainedModel, GenerationMixin):
     def generate(self, inputs=None, generation_config=None, decode_mode=None, fused_prefill_passes=None, **kwargs):
         """transformers' ``generate`` with ``decode_mode`` "standard" | "soft" | "fused" and
         ``fused_prefill_passes`` n (defaults: ``config.decode_mode``, ``config.fused_prefill_passes``).
-        Soft and fused decoding support greedy search and sampling (no beams, no assistants)."""
+        Soft and fused decoding support greedy search and sampling (no beams, no assistants); every
+        mode decodes with the dynamic cache (the default)."""
         mode = decode_mode or self.config.decode_mode
         n = _resolve_mode(self.config, mode, fused_prefill_passes)
+        config = generation_config or self.generation_config
+        setting = lambda name: kwargs.get(name, getattr(config, name, None))  # noqa: E731
+        if setting("cache_implementation") not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={setting('cache_implementation')!r} is not supported: this model "
+                             "decodes with the dynamic cache (its sliding windows and fed-back state); drop the argument")
         if mode == "standard":
             return super().generate(inputs, generation_config, **kwargs)
         self._require_feedback(f"decode_mode={mode!r}")
-        config = generation_config or self.generation_config
-        setting = lambda name: kwargs.get(name, getattr(config, name, None))  # noqa: E731
         if (setting("num_beams") or 1) > 1 or setting("prompt_lookup_num_tokens") or setting("penalty_alpha"):
             raise ValueError(f"decode_mode={mode!r} supports greedy search and sampling only (no beams, no lookup)")
         if kwargs.get("assistant_model") is not None or kwargs.get("inputs_embeds") is not None:

@@ -8,8 +8,8 @@ treats some sentencepiece models differently (whitespace, byte fallback).
 
 Defaults follow how the model was trained: no BOS/EOS is added to encoded text (documents end with
 ``</s>``, which the training pipeline appended itself), text that spells a special token (e.g.
-``"</s>"`` inside source code) is encoded as plain text, and batches are padded on the left (for
-generation).
+``"</s>"`` inside source code) is encoded as plain text, except the end of an assistant turn that a
+chat template writes (``apply_chat_template``), and batches are padded on the left (for generation).
 """
 
 from __future__ import annotations
@@ -63,8 +63,26 @@ class FBTTokenizer(SentencePieceBackend):
             **kwargs,
         )
 
+    def apply_chat_template(self, *args, **kwargs):
+        """transformers' ``apply_chat_template``, in which the ``eos_token`` the chat template writes
+        after an assistant turn is the EOS id, as SFT training tokenized its conversations (each piece
+        between them encoded alone); text anywhere else never reads special tokens."""
+        self._chat = True
+        try:
+            return super().apply_chat_template(*args, **kwargs)
+        finally:
+            self._chat = False
+
     def _tokenize(self, text: str, **kwargs) -> list[str]:
-        return self.sp_model.encode(text, out_type=str)
+        if not getattr(self, "_chat", False) or not self.eos_token:
+            return self.sp_model.encode(text, out_type=str)
+        pieces: list[str] = []
+        for i, part in enumerate(text.split(self.eos_token)):
+            if i:
+                pieces.append(self.eos_token)
+            if part:
+                pieces += self.sp_model.encode(part, out_type=str)
+        return pieces
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         return self.sp_model.decode_pieces(list(tokens))

@@ -9,7 +9,7 @@ tiny_set   the tiny set from Python source files (``data.corpus: sft:stdlib``), 
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 from fbt_megatron.cli import plural
 from fbt_megatron.data.sft.chat import ChatEncoder, chat_template, read_conversations
@@ -17,13 +17,25 @@ from fbt_megatron.data.sft.packing import SFTDataset
 from fbt_megatron.data.sft.tiny_set import ensure_sft_set, set_files, set_source
 from fbt_megatron.data.tokenizer import load_tokenizer
 
-__all__ = ["ensure_sft_set", "load_sft_data", "set_source"]
+__all__ = ["ensure_sft_set", "load_sft_data", "set_source", "sft_chat_template", "sft_tokenizer_file"]
 
 
 def _jsonl_files(spec, key: str) -> List[str]:
     if not all(isinstance(p, str) and p.endswith(".jsonl") for p in spec):
         raise ValueError(f"{key} must list chat .jsonl files with --sft (no blend weights), got {spec}")
     return list(spec)
+
+
+def sft_tokenizer_file(d) -> str:
+    """The tokenizer file whose chat template an SFT run with data section ``d`` trains with (the
+    ``tokenizer_config.json`` beside it): ``d.tokenizer_model`` with chat files, else the prepared
+    set's copy; what the HF export and ``generate --chat`` read the template from."""
+    return d.tokenizer_model if d.train_data_path is not None else set_files(d.data_path)[2]
+
+
+def sft_chat_template(d) -> Tuple[str, str]:
+    """(template, where it came from) that an SFT run with data section ``d`` trains with."""
+    return chat_template(sft_tokenizer_file(d))
 
 
 def load_sft_data(d, seed: int, report: bool = True):
@@ -33,10 +45,11 @@ def load_sft_data(d, seed: int, report: bool = True):
     if d.train_data_path is not None:
         train = _jsonl_files(d.train_data_path, "data.train_data_path")
         valid = _jsonl_files(d.valid_data_path, "data.valid_data_path") if d.valid_data_path else train
-        tokenizer_path, source = d.tokenizer_model, " ".join(train)
+        source = " ".join(train)
     else:
-        train, valid, tokenizer_path = set_files(d.data_path)
+        train, valid, _ = set_files(d.data_path)
         source = str(d.data_path)
+    tokenizer_path = sft_tokenizer_file(d)
     tokenizer = load_tokenizer(tokenizer_path)
     encoder = ChatEncoder(tokenizer, *chat_template(tokenizer_path))
     splits = []

@@ -1,0 +1,106 @@
+"""One stage of the rehearsal: a command run as a child process, measured.
+
+The child's output goes to ``<stage>.log`` with each line's arrival time (seconds since the start),
+so a stage's phases can be timed from its own log lines. Memory is sampled every ``INTERVAL``
+seconds over the child's whole process tree (torchrun's workers, megatron's background savers):
+the largest single process's RSS (what the planner estimates per rank) and the largest sum (which
+counts the pages a forked child shares with its parent, e.g. megatron's async-save workers, in each). CPU
+time is the children's user + system time (``getrusage``): unlike wall time, it hardly depends on
+what else the machine runs.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shlex
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import psutil
+
+INTERVAL = 0.2  # seconds between memory samples
+GiB = 2**30
+
+
+@dataclass
+class Measured:
+    name: str
+    command: List[str]
+    seconds: float
+    cpu_seconds: float
+    code: int
+    max_process_rss: int  # bytes
+    max_tree_rss: int  # bytes
+    lines: List[tuple] = field(default_factory=list)  # (seconds since start, text)
+    log: str = ""
+
+    def ok(self) -> bool:
+        return self.code == 0
+
+    def first_line_after(self, prefix: str) -> Optional[float]:
+        """When the first line starting with ``prefix`` arrived (None: no such line)."""
+        return next((t for t, text in self.lines if text.startswith(prefix)), None)
+
+    def tail(self, n: int = 25) -> str:
+        return "\n".join(text for _, text in self.lines[-n:])
+
+
+class _Sampler(threading.Thread):
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.root, self.done = psutil.Process(pid), threading.Event()
+        self.max_process = self.max_tree = 0
+
+    def run(self):
+        while not self.done.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                break
+            sizes = []
+            for p in procs:
+                try:
+                    sizes.append(p.memory_info().rss)
+                except psutil.Error:
+                    pass
+            if sizes:
+                self.max_process, self.max_tree = max(self.max_process, max(sizes)), max(self.max_tree, sum(sizes))
+            self.done.wait(INTERVAL)
+
+
+def run_stage(name: str, command: List, log: Path, cwd: Path, env: Optional[dict] = None,
+              echo: bool = False) -> Measured:
+    """Run ``command`` (its output to ``log``), sampling its memory; returns the measurements."""
+    command = [str(c) for c in command]
+    env = {**os.environ, **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not this process's group
+        env.pop(key, None)
+    lines = []
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        out.write("$ " + " ".join(shlex.quote(c) for c in command) + "\n")
+        out.flush()
+        child = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 errors="replace")
+        sampler = _Sampler(child.pid)
+        sampler.start()
+        for text in child.stdout:
+            text = text.rstrip("\n")
+            lines.append((time.perf_counter() - start, text))
+            out.write(text + "\n")
+            out.flush()
+            if echo:
+                print(f"  [{name}] {text}", flush=True)
+        code = child.wait()
+        seconds = time.perf_counter() - start
+        sampler.done.set()
+        sampler.join()
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+    return Measured(name, command, seconds, cpu, code, sampler.max_process, sampler.max_tree, lines, str(log))

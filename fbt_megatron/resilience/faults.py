@@ -1,0 +1,98 @@
+"""``--inject-fault KIND@STEP[:RANK]``: faults on purpose, for tests and drills (docs/operations.md).
+
+* ``crash@5:1`` — rank 1 dies at the start of step 5 as ``kill -9`` kills it (SIGKILL to itself).
+* ``hang@3:1`` — rank 1 stops at the start of step 3 and never returns; the other ranks block in
+  the step's first collective. The hang watchdog (``watchdog``) ends the run.
+* ``spike@6`` — step 6's loss and gradients are scaled by ``SPIKE_FACTOR`` (every rank: the whole
+  step's), as a loss spike; the spike policy (``spikes``) answers it.
+
+The rank is 0 when not given; steps count from 1, as in the logs. The flag repeats (``--inject-fault
+crash@5:1 --inject-fault spike@6``; a recipe: ``inject_fault: [crash@5:1, spike@6]``).
+
+A crash or hang is the machine's fault, which a restart fixes: it fires once per run folder. The
+rank that fires it first appends it to ``<save>/injected_faults.jsonl``, and a run (a restart, a
+``--load``) skips the faults found there; so ``crash@5`` with a checkpoint at step 4 crashes once,
+and the restart runs step 5 to the end. A spike belongs to the step's data, as a real one would: it
+fires whenever step 6 is trained, also after a resume from an earlier checkpoint, so the spike
+policy's answer repeats exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import List, NamedTuple, Optional
+
+from fbt_megatron.errors import RecipeError
+
+KINDS = ("crash", "hang", "spike")
+SPIKE_FACTOR = 1000.0  # a spike's loss and gradients: this many times the step's own
+FIRED = "injected_faults.jsonl"
+_SPEC = re.compile(r"^(crash|hang|spike)@(\d+)(?::(\d+))?$")
+
+
+class Fault(NamedTuple):
+    kind: str
+    step: int
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}" + ("" if self.kind == "spike" else f":{self.rank}")
+
+
+def parse_faults(specs: Optional[List[str]]) -> List[Fault]:
+    """The faults of ``--inject-fault``; RecipeError (one line) for a malformed one."""
+    faults = []
+    for spec in specs or []:
+        m = _SPEC.match(str(spec).strip())
+        if not m or int(m[2]) < 1:
+            raise RecipeError(f"training.inject_fault: {spec!r} is not KIND@STEP[:RANK] (KIND: {', '.join(KINDS)}; "
+                              "STEP from 1), e.g. --inject-fault crash@5:1")
+        if m[1] == "spike" and m[3] is not None:
+            raise RecipeError(f"training.inject_fault: {spec!r}: a spike is the whole step's, on every rank: give spike@{m[2]}")
+        faults.append(Fault(m[1], int(m[2]), int(m[3] or 0)))
+    return faults
+
+
+class Faults:
+    """The faults of one run on this rank (``rank``); ``save``: the run folder that records the
+    crashes and hangs already fired (None: this process alone)."""
+
+    def __init__(self, specs: Optional[List[str]], save: Optional[str], rank: int):
+        self.rank, self.record = rank, Path(save) / FIRED if save else None
+        fired = set()
+        if self.record is not None and self.record.is_file():
+            fired = {json.loads(line)["fault"] for line in self.record.read_text().splitlines() if line.strip()}
+        self.faults = [f for f in parse_faults(specs) if str(f) not in fired]
+
+    def start_step(self, step: int) -> None:
+        """At the start of step ``step``: this rank's crash or hang, if one is due."""
+        for fault in [f for f in self.faults if f.step == step and f.rank == self.rank and f.kind in ("crash", "hang")]:
+            self._fired(fault)
+            if fault.kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Event().wait()  # hang: no return; the watchdog ends the run
+
+    def spike(self, step: int, model, report: dict) -> None:
+        """After step ``step``'s backward: its loss (``report``) and gradients × SPIKE_FACTOR if a spike is due."""
+        if any(f.kind == "spike" and f.step == step for f in self.faults):
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.main_grad.mul_(SPIKE_FACTOR)
+            if "pass_losses" in report:
+                report["pass_losses"] = report["pass_losses"] * SPIKE_FACTOR
+
+    def _fired(self, fault: Fault) -> None:
+        print(f"--inject-fault {fault}: rank {self.rank} {'dies (SIGKILL)' if fault.kind == 'crash' else 'hangs'} "
+              f"at the start of step {fault.step}", flush=True)
+        if self.record is not None:
+            line = json.dumps({"fault": str(fault), "rank": self.rank, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            with open(self.record, "a") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())

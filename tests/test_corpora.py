@@ -1,0 +1,287 @@
+"""Corpora at scale (issue 32): the formats corpora ship in read alike, bad records cost one record,
+shards merge into what one process writes, memory is bounded (a bounded tokenizer sample, a bounded
+number of documents in flight), progress lines in a batch log."""
+
+import contextlib
+import gzip
+import io
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from fbt_megatron.cli import run_cli
+from fbt_megatron.data import preprocess as preprocess_module
+from fbt_megatron.data.corpus import load_corpus, prepare_corpus
+from fbt_megatron.data.documents import BadRecords, iter_documents, progress
+from fbt_megatron.data.preprocess import preprocess
+from fbt_megatron.data.tokenizer import load_tokenizer
+from fbt_megatron.data.tokenizer_training import Sample, train_tokenizer
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+SOURCES = [STDLIB / f for f in ("textwrap.py", "shlex.py", "fnmatch.py", "json/decoder.py", "json/encoder.py")]
+TEXTS = [p.read_text() for p in sorted(STDLIB.glob("*.py"))[:24]] + ["x = 'ü ☃'\n", "ünïcödé 🐍"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "sp512.model"
+    return load_tokenizer(train_tokenizer([str(p) for p in SOURCES], str(path), 512, show_progress=False))
+
+
+def jsonl(texts) -> bytes:
+    return "".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n" for i, t in enumerate(texts)).encode()
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    """The same documents in every format, each a folder (three shards where the format has files)."""
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+    import zstandard
+
+    root = tmp_path_factory.mktemp("formats")
+    thirds = [TEXTS[:10], TEXTS[10:20], TEXTS[20:]]
+    writers = {
+        "jsonl": lambda path, texts: path.write_bytes(jsonl(texts)),
+        "jsonl.gz": lambda path, texts: path.write_bytes(gzip.compress(jsonl(texts))),
+        "jsonl.zst": lambda path, texts: path.write_bytes(zstandard.ZstdCompressor().compress(jsonl(texts))),
+        "parquet": lambda path, texts: pyarrow.parquet.write_table(
+            pyarrow.table({"id": list(range(len(texts))), "text": texts}), path, row_group_size=4),
+    }
+    folders = {}
+    for name, write in writers.items():
+        folders[name] = root / name
+        folders[name].mkdir()
+        for i, texts in enumerate(thirds):
+            write(folders[name] / f"part-{i}.{name}", texts)
+    folders["datasets"] = root / "saved"
+    datasets.Dataset.from_dict({"text": TEXTS, "id": list(range(len(TEXTS)))}).save_to_disk(
+        str(folders["datasets"]), max_shard_size="20KB")
+    folders["txt.gz"] = root / "txt"
+    folders["txt.gz"].mkdir()
+    for i, text in enumerate(TEXTS):
+        (folders["txt.gz"] / f"{i:02d}.txt.gz").write_bytes(gzip.compress(text.encode()))
+    return folders
+
+
+def test_every_format_reads_the_same_documents(formats):
+    for name, folder in formats.items():
+        docs = list(iter_documents([str(folder)]))
+        assert [d.text for d in docs] == TEXTS, name
+    assert len(list((formats["datasets"]).glob("*.arrow"))) > 1  # the saved dataset's several arrow files, in order
+    names = [d.name for d in iter_documents([str(formats["jsonl.zst"] / "part-*.jsonl.zst")])]  # a glob of shards
+    assert names[:2] == ["part-0.jsonl.zst:1", "part-0.jsonl.zst:2"] and names[-1] == "part-2.jsonl.zst:6"
+    assert [d.name for d in iter_documents([str(formats["parquet"])])][-1] == "part-2.parquet:6"
+
+
+def test_every_format_tokenizes_to_the_same_files(formats, tokenizer, tmp_path):
+    written = {}
+    for name, folder in formats.items():
+        prefix = str(tmp_path / name)
+        preprocess([str(folder)], tokenizer.path, prefix, workers=1, show_progress=False)
+        written[name] = [Path(prefix + ext).read_bytes() for ext in (".bin", ".idx")]
+    assert all(files == written["jsonl"] for files in written.values())
+
+
+def test_a_compressed_corpus_is_prepared_without_a_copy_of_its_train_split(formats, tokenizer, tmp_path):
+    corpus = prepare_corpus(str(formats["jsonl.zst"]), str(tmp_path / "c"), vocab_size=512, valid_fraction=0.2,
+                            tokenizer_sample_bytes=20_000, show_progress=False)
+    manifest = json.loads((tmp_path / "c" / "corpus.json").read_text())
+    assert manifest["splits"]["train"]["docs"] is None and not (tmp_path / "c" / "docs.train.jsonl").exists()
+    held = [json.loads(line) for line in (tmp_path / "c" / "docs.valid.jsonl").open()]
+    assert len(held) == corpus.documents["valid"] >= 1 and all(d["text"] in TEXTS for d in held)
+    assert corpus.documents["train"] + corpus.documents["valid"] == len(TEXTS)
+    tok = load_tokenizer(corpus.tokenizer_path)
+    train = IndexedDataset(corpus.train_prefix)
+    train_texts = [t for t in TEXTS if t not in {d["text"] for d in held}]
+    assert [train[i].tolist() for i in range(len(train))] == [tok.tokenize(t) + [tok.eod] for t in train_texts]
+
+
+def test_the_tokenizer_sample_is_bounded_seeded_and_whole_when_it_fits():
+    docs = [(f"d{i}", "x" * (100 + i)) for i in range(200)]
+    samples = {}
+    for seed in (0, 0, 1):
+        sample = Sample(max_bytes=3_000, seed=seed)
+        for i, (name, text) in enumerate(docs):
+            sample.add(i, name, text)
+        assert 2_700 < sample.bytes <= 3_000 and not sample.whole
+        samples.setdefault(seed, []).append(sample.texts())
+    assert samples[0][0] == samples[0][1] != samples[1][0]
+    kept = samples[0][0]
+    assert kept == [t for _, t in docs if t in kept]  # in input order
+    whole = Sample(max_bytes=10**6)
+    for i, (name, text) in enumerate(docs):
+        whole.add(i, name, text)
+    assert whole.whole and whole.texts() == [t for _, t in docs]
+
+
+def test_documents_in_flight_are_bounded(tokenizer, monkeypatch):
+    """The input is pulled at most IN_FLIGHT chunks per worker ahead of what was written."""
+    monkeypatch.setattr(preprocess_module, "CHUNK_DOCUMENTS", 2)
+    pulled = []
+
+    def texts():
+        for i in range(200):
+            pulled.append(i)
+            yield 0, f"def f{i}(): return {i}\n"
+
+    encoded = preprocess_module._encoded(texts(), tokenizer, numpy.uint16, workers=2)
+    for written, (output, ids) in enumerate(encoded, 1):
+        assert len(pulled) - written <= 2 * preprocess_module.IN_FLIGHT * 2 + 2
+    assert written == 200
+
+
+BAD = (b'{"text": "one"}\n'
+       b'{"text": "caf\xc3\xa9 ok"}\n'
+       b'{"text": "bad \xff byte"}\n'  # line 3, byte column 15
+       b'{"text": "half\n'
+       b'{"content": "no text key"}\n'
+       b'\n'
+       b'{"text": 7}\n'
+       b'{"text": "last"}\n')
+
+
+def test_a_bad_record_is_named_by_file_line_and_column(tmp_path, tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(BAD)
+    with pytest.raises(ValueError, match=r"bad.jsonl:3:15: not UTF-8 \(invalid start byte, byte column 15\) "
+                                         r"\(to skip bad records: --skip-bad-records N or P%\)$"):
+        list(iter_documents([str(path)]))
+    bad = BadRecords("4")
+    assert [d.text for d in iter_documents([str(path)], bad=bad)] == ["one", "café ok", "last"]
+    assert bad.counts == {"invalid UTF-8": 1, "malformed JSON": 1, "missing key": 1, "not a string": 1}
+    assert bad.summary() == "skipped 4 bad records: 1 invalid UTF-8, 1 malformed JSON, 1 missing key, 1 not a string"
+    with pytest.raises(ValueError, match=r"bad.jsonl:5: no key 'text' .*: more than 2 bad records"):
+        list(iter_documents([str(path)], bad=BadRecords("2")))
+    with pytest.raises(ValueError, match=r"4 of 7 records are bad, more than --skip-bad-records 50%"):
+        list(iter_documents([str(path)], bad=BadRecords("50%")))
+    assert len(list(iter_documents([str(path)], bad=BadRecords("60%")))) == 3
+    text = tmp_path / "notes.txt.gz"  # in a text file, the paragraph with the bad line is the record
+    text.write_bytes(gzip.compress(b"first\npara\n\nsecond \xc3(\npara\n\nthird\n"))
+    with pytest.raises(ValueError, match=r"notes.txt.gz:4:8: not UTF-8 \(invalid continuation byte"):
+        list(iter_documents([str(text)], split="blank-line"))
+    assert [d.name for d in iter_documents([str(text)], split="blank-line", bad=BadRecords("1"))] == [
+        "notes.txt.gz:1", "notes.txt.gz:7"]
+    with pytest.raises(ValueError, match=r"--skip-bad-records 'some': give a count"):
+        BadRecords("some")
+
+
+def in_process(module, *args) -> tuple:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: module.main(list(map(str, args))))
+    return exit_.value.code, out.getvalue(), err.getvalue()
+
+
+def test_skipping_bad_records_in_the_tools_and_nothing_half_written(tmp_path, tokenizer):
+    import prepare_corpus
+    import preprocess_data
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "bad.jsonl").write_bytes(BAD)
+    (tmp_path / "in" / "good.jsonl").write_bytes(jsonl(TEXTS[:6]))
+    prefix = tmp_path / "out"
+    code, out, err = in_process(preprocess_data, "--input", tmp_path / "in", "--tokenizer", tokenizer.path,
+                                "--output-prefix", prefix, "--workers", 2)
+    assert code == 2 and err.startswith("error: ") and "bad.jsonl:3:15: not UTF-8" in err and err.count("\n") == 1
+    assert list(tmp_path.glob("out*")) == []
+    code, out, err = in_process(preprocess_data, "--input", tmp_path / "in", "--tokenizer", tokenizer.path,
+                                "--output-prefix", prefix, "--workers", 2, "--skip-bad-records", 4)
+    assert code == 0, err
+    assert err.count("warning: skipped") == 4 and "warning: skipped " + str(tmp_path / "in" / "bad.jsonl") + ":4: malformed" in err
+    assert len(IndexedDataset(str(prefix))) == 9 and "skipped 4 bad records: 1 invalid UTF-8, 1 malformed JSON" in out
+    code, out, err = in_process(prepare_corpus, "--source", tmp_path / "in", "--output", tmp_path / "corpus",
+                                "--tokenizer", tokenizer.path, "--skip-bad-records", "3", "--workers", 1)
+    assert code == 2 and "more than 3 bad records" in err and not (tmp_path / "corpus").exists()
+    code, out, err = in_process(prepare_corpus, "--source", tmp_path / "in", "--output", tmp_path / "corpus",
+                                "--tokenizer", tokenizer.path, "--skip-bad-records", "40%", "--workers", 1,
+                                "--valid-fraction", 0.3)
+    assert code == 0, err
+    assert "skipped 4 bad records: 1 invalid UTF-8, 1 malformed JSON, 1 missing key, 1 not a string" in out
+    manifest = json.loads((tmp_path / "corpus" / "corpus.json").read_text())
+    assert manifest["skipped"] == {"invalid UTF-8": 1, "malformed JSON": 1, "missing key": 1, "not a string": 1}
+    assert sum(load_corpus(tmp_path / "corpus").documents.values()) == 9
+
+
+def test_shards_merge_into_what_one_process_writes_and_a_rerun_skips_complete_shards(formats, tokenizer, tmp_path):
+    import merge_corpus
+    import preprocess_data
+
+    inputs = [formats["jsonl"], formats["parquet"], formats["jsonl.zst"]]  # 9 files, in this order
+    one = tmp_path / "one"
+    assert in_process(preprocess_data, "--input", *inputs, "--tokenizer", tokenizer.path, "--output-prefix", one,
+                      "--workers", 2)[0] == 0
+    prefix = tmp_path / "sharded"
+    for i in range(4):
+        code, out, err = in_process(preprocess_data, "--input", *inputs, "--tokenizer", tokenizer.path,
+                                    "--output-prefix", prefix, "--shard", f"{i}/4", "--workers", 1)
+        assert code == 0 and out.startswith(f"{prefix}_shard-{i:05d}-of-00004.bin/.idx: "), err
+    shard = Path(f"{prefix}_shard-00002-of-00004.idx")
+    stamp = shard.stat().st_mtime_ns
+    os.remove(f"{prefix}_shard-00001-of-00004.idx")  # a shard that did not finish
+    reruns = [in_process(preprocess_data, "--input", *inputs, "--tokenizer", tokenizer.path, "--output-prefix", prefix,
+                         "--shard", f"{i}/4", "--workers", 1)[1] for i in range(4)]
+    assert ["nothing to do" in out for out in reruns] == [True, False, True, True]
+    assert shard.stat().st_mtime_ns == stamp
+    code, out, err = in_process(merge_corpus, "--output-prefix", prefix, "--shards", 4)
+    assert code == 0 and "4 prefixes merged" in out, err
+    for ext in (".bin", ".idx"):
+        assert Path(f"{prefix}{ext}").read_bytes() == Path(f"{one}{ext}").read_bytes()
+    code, out, err = in_process(preprocess_data, "--input", *inputs, "--tokenizer", tokenizer.path,
+                                "--output-prefix", prefix, "--shard", "3/10")
+    assert code == 2 and "10 shards of 9 input files: use at most 9 shards" in err
+    code, out, err = in_process(merge_corpus, "--output-prefix", tmp_path / "x", "--shards", 2)
+    assert code == 2 and "x_shard-00000-of-00002.bin/.idx not there" in err
+
+
+def test_a_batch_log_gets_periodic_status_lines(capsys):
+    items = list(progress(iter(range(5)), "tokenize", True, total=5, tokens=lambda i: 10, every=0.0))
+    assert items == list(range(5))
+    lines = capsys.readouterr().err.splitlines()  # stderr is captured: not a terminal
+    assert lines[0].startswith("tokenize: 1 document, 10 tokens, ") and "tokens/s, ETA 0:00:00" in lines[0]
+    assert len(lines) == 6 and lines[-1].startswith("tokenize: 5 documents, 50 tokens") and "done in 0:00:00" in lines[-1]
+
+
+def test_slurm_prepare_renders_a_shard_array_and_a_merge_after_it(formats, tokenizer, tmp_path):
+    import re
+    import subprocess
+
+    from fbt_megatron.slurm import __main__ as slurm
+
+    inputs = str(formats["jsonl"] / "part-*.jsonl")
+    common = ["prepare", "--input", inputs, "--tokenizer", tokenizer.path, "--time", "01:00:00", "--partition", "cpu",
+              "--log-dir", str(tmp_path / "logs"), "--dry-run"]
+    code, out, err = in_process(slurm, *common, "--output-prefix", tmp_path / "web", "--shards", 3, "--",
+                                "--skip-bad-records", "0.1%")
+    assert code == 0, err
+    parts = re.split(r"^# ---- (\S+): (sbatch --parsable.*)$", out, flags=re.M)
+    (array, array_sbatch, array_script), (merge, merge_sbatch, merge_script) = zip(parts[1::3], parts[2::3], parts[3::3])
+    assert (array, merge) == ("prepare-web", "prepare-web-merge")
+    assert merge_sbatch == "sbatch --parsable --dependency=afterok:<job of prepare-web>"
+    for script in (array_script, merge_script):
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+        assert "#SBATCH --partition=cpu" in script and "#SBATCH --exclusive" in script and "#SBATCH --requeue" in script
+    assert "#SBATCH --array=0-2" in array_script and f"--output={tmp_path}/logs/prepare-web-%A_%a.out" in array_script
+    assert (f"tools/preprocess_data.py --input {inputs!r} --tokenizer {tokenizer.path} --output-prefix {tmp_path}/web "
+            f'--shard "$SLURM_ARRAY_TASK_ID/3" --workers "$CPUS" --skip-bad-records 0.1%') in array_script
+    assert "--array" not in merge_script
+    assert f"tools/merge_corpus.py --output-prefix {tmp_path}/web --shards 3" in merge_script
+    code, out, err = in_process(slurm, *common, "--output-prefix", tmp_path / "web", "--shards", 4)
+    assert code == 2 and err == "error: 4 shards of 3 input files: use at most 3 shards (a file is not cut)\n"
+
+
+def test_a_missing_optional_library_is_named(formats, monkeypatch):
+    import sys
+
+    for module, folder, pattern in (("zstandard", formats["jsonl.zst"], "zstandard"), ("pyarrow", formats["parquet"], "pyarrow"),
+                                    ("pyarrow", formats["datasets"], "pyarrow")):
+        monkeypatch.setitem(sys.modules, module, None)  # import fails
+        with pytest.raises(ValueError, match=rf": reading it needs the {pattern} package \(pip install {pattern}\)$"):
+            list(iter_documents([str(folder)]))
+        monkeypatch.undo()

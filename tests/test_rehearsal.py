@@ -1,0 +1,71 @@
+"""The rehearsal (tools/rehearse.py, fbt_megatron/rehearsal/): fbt-1b's real width through every stage.
+
+CI size: the paper's width (D 1536, SwiGLU 6656, GQA 16/8 heads of 96) with one layer, a 32-token
+sequence and the corpus's 2,048-piece vocabulary (the full 100,352 vocabulary makes each checkpoint
+2.1 GiB: the rehearsal's default, run by hand), NorMuon with one Newton–Schulz iteration instead of
+five (the same code and state; at this width its orthogonalisation, about a TFLOP per step for one
+layer, is most of a step's time). A size-only regression anywhere between training and the Hugging
+Face export (a head dimension, a GQA split at TP 2, a checkpoint or export mapping, decoding's
+caches) fails here. The vLLM stage is left to CI's serving stage (``--no-vllm``: its engine's start-up
+is about 40 s; by hand, with .venv-serve, it runs).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_widened_tokenizer_encodes_as_before(small_corpus, tmp_path):
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from fbt_megatron.data.tokenizer import load_tokenizer
+    from fbt_megatron.rehearsal.vocabulary import widen
+
+    wide = widen(small_corpus.tokenizer_path, str(tmp_path / "wide.model"), 1000)
+    before, after = load_tokenizer(small_corpus.tokenizer_path), load_tokenizer(wide)
+    assert (before.vocab_size, after.vocab_size, after.padded_vocab_size(2)) == (512, 1000, 1024)
+    assert (after.eod, after.pad) == (before.eod, before.pad)
+    text = (Path(small_corpus.train_prefix).parent / "docs.valid.jsonl").read_text()[:20000]
+    assert after.tokenize(text) == before.tokenize(text) and after.detokenize(after.tokenize(text)) == text
+    proto = pb.ModelProto()
+    proto.ParseFromString(Path(wide).read_bytes())
+    assert {p.type for p in proto.pieces[512:]} == {pb.ModelProto.SentencePiece.UNUSED}
+    assert sentencepiece.SentencePieceProcessor(model_file=wide).id_to_piece(999) == "<unused_487>"
+
+
+@pytest.mark.slow
+def test_rehearsal_at_the_real_width(tmp_path):
+    out = tmp_path / "rehearsal"
+    cmd = [sys.executable, "tools/rehearse.py", "--recipe", "recipes/fbt_1b_100b.yaml", "--output", out, "--num-layers", 1,
+           "--seq-length", 32, "--vocab-size", 2048, "--max-new-tokens", 4, "--max-shard-size", "40MB",
+           "--no-vllm", "--", "--muon-num-ns-steps", 1]
+    run = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    print(run.stdout[-6000:])
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    report = json.loads((out / "rehearsal.json").read_text())
+    assert report["ok"] and report["failure"] is None
+    checks = {c["check"]: c for c in report["checks"]}
+    passed = {name for name, c in checks.items() if c["result"] == "PASS"}
+    assert {"parameters per rank: the training run's model = the planner's",
+            "resume from step 1 = uninterrupted, step 2 (k=3)",
+            "resharded to TP 2 (2 processes), step 2 (k=3)",
+            "export: bfloat16 safetensors, sharded with an index at --max-shard-size 40MB",
+            "from-hf then to-hf = the export, tensor for tensor",
+            "exported tokenizer (AutoTokenizer) = sentencepiece, the prompt's ids",
+            "greedy tokens, standard: transformers = megatron generate",
+            "greedy tokens, soft: transformers = megatron generate",
+            "greedy tokens, fused(2): transformers = megatron generate"} <= passed, checks
+    assert "largest relative difference 0.0e+00" in checks["resume from step 1 = uninterrupted, step 2 (k=3)"]["value"]
+    stages = {s["stage"]: s for s in report["stages"]}
+    assert all(s["exit"] == 0 for name, s in stages.items() if name != "vllm")
+    assert stages["train"]["max_process_rss_gib"] > 0 and stages["export"]["output_gib"] > 0
+    figures = {f["figure"]: f for f in report["figures"]}
+    assert figures["parameters"]["value"] == 45_647_040  # D 1536, one layer, 2,048 tokens: tools/count_params.py's arithmetic
+    shards, rest = figures["export size (bfloat16 safetensors)"]["note"].split(" shards, ")
+    assert int(shards) > 1 and rest == "index present, dtype bfloat16"

@@ -1,0 +1,238 @@
+"""A run that looks after itself (fbt_megatron/resilience/): injected faults, loss spikes, hangs.
+
+* ``--inject-fault`` specs and the spike flags are checked up front, one line each; the flag repeats.
+* The spike check on a sequence of gradient norms: warn, skip, the running median's window.
+* Through the entry point (real processes): ``spike@6`` with ``--spike-policy rewind`` — reloaded
+  from the checkpoint of step 4, the batches of steps 5-6 skipped — gives the same losses bit for
+  bit on a rerun, and the same decision at another layout (2 data-parallel ranks, losses equal to
+  float rounding). ``hang@3:1`` on 2 ranks (``python -m fbt_megatron.torchrun``): both ranks write
+  their stacks, the stuck one is named, the run exits 124 within the timeout plus a grace;
+  ``--load`` resumes (the hang does not fire again, the spike does and is rewound again) and logs
+  the losses of the uninterrupted 2-rank run bit for bit.
+* A Slurm job's attempts and retry budget (``resilience/attempts.py``) against stand-ins for
+  scontrol and sinfo; the real Slurm: tests/test_slurm.py.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fbt_megatron import train
+from fbt_megatron.errors import RecipeError
+from fbt_megatron.metrics import read_metrics
+from fbt_megatron.resilience.faults import Fault, parse_faults
+from fbt_megatron.resilience.spikes import Spikes
+from fbt_megatron.resilience.watchdog import HANG_EXIT
+from forked import run_commands, run_ranks
+
+ROOT = Path(__file__).parent.parent
+TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
+SPIKE = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
+         "--log-interval", "1", "--eval-iters", "0", "--threads", "1", "--train-iters", "10", "--save-interval", "2",
+         "--spike-window", "4", "--spike-policy", "rewind", "--inject-fault", "spike@6"]
+HANG_MINUTES = 0.3  # 18 s without a step: far more than a step and a checkpoint of the tiny model take here
+REWIND_LINE = re.compile(r"^step 6: gradient norm \S+ is \d+× the median \S+ of the last 4 steps \(--spike-factor 10\): spike 1, "
+                         r"rewound to checkpoint iter_0000004, the batches of steps 5-6 skipped \(rewind 1 of --max-rewinds 3; "
+                         r"--spike-policy rewind\)$", re.M)
+
+
+def test_fault_specs_and_spike_flags_are_checked_in_one_line():
+    recipe = train.parse_args(["--recipe", TINY, "--inject-fault", "crash@5:1", "--inject-fault", "[hang@3:1, spike@6]"])
+    assert recipe.training.inject_fault == ["crash@5:1", "hang@3:1", "spike@6"]  # repeated: the values add up
+    assert parse_faults(recipe.training.inject_fault) == [Fault("crash", 5, 1), Fault("hang", 3, 1), Fault("spike", 6, 0)]
+    assert parse_faults(["crash@7"]) == [Fault("crash", 7, 0)]  # rank 0 unless given
+    bad = {
+        ("--inject-fault", "crash5"): "training.inject_fault: 'crash5' is not KIND@STEP[:RANK] (KIND: crash, hang, spike; "
+                                      "STEP from 1), e.g. --inject-fault crash@5:1",
+        ("--inject-fault", "spike@6:1"): "training.inject_fault: 'spike@6:1': a spike is the whole step's, on every rank: "
+                                         "give spike@6",
+        ("--inject-fault", "crash@0"): "training.inject_fault: 'crash@0' is not KIND@STEP[:RANK] (KIND: crash, hang, spike; "
+                                       "STEP from 1), e.g. --inject-fault crash@5:1",
+        ("--spike-factor", "1"): "training.spike_factor must be > 1, training.spike_window >= 1 and training.max_rewinds >= 0",
+        ("--hang-timeout-minutes", "-1"): "training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0",
+        ("--spike-policy", "undo"): "--spike-policy must be one of ['off', 'warn', 'skip', 'rewind'], got 'undo'",
+    }
+    for argv, line in bad.items():
+        with pytest.raises(RecipeError) as e:
+            train.parse_args(["--recipe", TINY, *argv]).validate(1)
+        assert str(e.value) == line
+
+
+def test_spike_policies_decide_from_the_running_median(capsys):
+    """Gradient norms 4, 3, 2, 2 fill a window of 4 (median 2.5); 30 is a spike (> 10 × 2.5),
+    2.4 is not. A lasting level of 30 enters the window and stops being a spike once it is half
+    the window: warn trains on every spike, skip vetoes them, rewind vetoes and asks for the rewind."""
+    norms = [4.0, 3.0, 2.0, 2.0, 30.0, 2.4, 30.0, 30.0, 30.0]
+    decisions = {}
+    for policy in ("off", "warn", "skip", "rewind"):
+        training = SimpleNamespace(spike_policy=policy, spike_factor=10.0, spike_window=4, max_rewinds=1)
+        spikes, state = Spikes(training, None, verbose=True), SimpleNamespace(spike_window=[], spikes=0)
+        decisions[policy] = [spikes.vetoes(state, step, norm) for step, norm in enumerate(norms, start=1)]
+        assert state.spikes == (0 if policy == "off" else 2) and spikes.rewind_due == (policy == "rewind")
+        assert state.spike_window == ([] if policy == "off" else [2.4, 30.0, 30.0, 30.0])
+    spiking = [False, False, False, False, True, False, True, False, False]  # the 2nd 30 in a row: median (2.4+30)/2
+    assert decisions == {"off": [False] * 9, "warn": [False] * 9, "skip": spiking, "rewind": spiking}
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("step 5: gradient norm 30 is 12× the median 2.5 of the last 4 steps (--spike-factor 10): spike 1, "
+                      "trained on (--spike-policy warn)")
+    assert out[2] == ("step 5: gradient norm 30 is 12× the median 2.5 of the last 4 steps (--spike-factor 10): spike 1, "
+                      "update skipped (--spike-policy skip)")
+    assert len(out) == 4 and out[1].startswith("step 7: gradient norm 30 is 14× the median 2.2 ")  # warn, skip: a line a spike
+    # (rewind says its line when it rewinds)
+
+
+def _torchrun(log: Path, flags: list, started: str = None) -> dict:
+    """``python -m fbt_megatron.torchrun`` with 2 processes; its exit code, output, and the seconds
+    from the moment ``started`` appeared in the output to the end."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    seen = None
+    with open(log, "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node=2", "--standalone", "-m",
+                                     "fbt_megatron.train", "--recipe", TINY, *map(str, flags)], cwd=ROOT, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while launcher.poll() is None:
+                if seen is None and started and started in log.read_text():
+                    seen = time.monotonic()
+                time.sleep(0.1)
+            code = launcher.wait(timeout=600)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, 9)
+    return {"code": code, "log": log.read_text(), "seconds": None if seen is None else time.monotonic() - seen}
+
+
+def _ranks(log: Path, flags: list) -> dict:
+    """2 ranks of the training forked from one interpreter (tests/forked.py: torchrun's environment)."""
+    code = run_ranks(["-m", "fbt_megatron.train", "--recipe", TINY, *map(str, flags)], 2, log)
+    return {"code": code, "log": log.read_text()}
+
+
+@pytest.fixture(scope="module")
+def drills(tmp_path_factory, small_corpus):
+    """The spike drill twice in one process, and at 2 data-parallel ranks; the hang drill on 2
+    ranks (with the spike too: python -m fbt_megatron.torchrun, as a user runs it), then its resume."""
+    tmp = tmp_path_factory.mktemp("resilience")
+    flags = [*SPIKE, "--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null"]
+    runs = {"spike": flags + ["--save", tmp / "spike"], "rerun": flags + ["--save", tmp / "rerun"]}
+    codes = run_commands("fbt_megatron.train", [(["--recipe", TINY, *map(str, argv)], tmp / f"{name}.log", None)
+                                                for name, argv in runs.items()])
+    results = {name: {"code": code, "log": (tmp / f"{name}.log").read_text()} for name, code in zip(runs, codes)}
+    results["dp2"] = _ranks(tmp / "dp2.log", [*flags, "--save", tmp / "dp2"])
+    hang = [*flags, "--save", tmp / "hang", "--inject-fault", "hang@3:1"]
+    results["hang"] = _torchrun(tmp / "hang.log", [*hang, "--hang-timeout-minutes", HANG_MINUTES],
+                                started="--inject-fault hang@3:1: rank 1 hangs")
+    results["hang"]["status"] = json.loads((tmp / "hang" / "exit_status.json").read_text())
+    results["hang"]["stacks"] = {r: (tmp / "hang" / "hang" / f"rank{r}.txt").read_text() for r in (0, 1)}
+    results["resumed"] = _ranks(tmp / "resumed.log", [*hang, "--load", tmp / "hang"])  # the default timeout
+    return results, tmp
+
+
+def _ok(run):
+    assert run["code"] == 0 and "Traceback" not in run["log"], run["log"][-3000:]
+
+
+@pytest.mark.slow
+def test_a_spike_is_rewound_the_same_way_on_every_rerun_and_layout(drills):
+    results, tmp = drills
+    for name in ("spike", "rerun", "dp2"):
+        _ok(results[name])
+        assert len(REWIND_LINE.findall(results[name]["log"])) == 1, results[name]["log"][-3000:]
+        assert json.loads((tmp / name / "exit_status.json").read_text()) == {
+            "reason": "finished", "step": 10, "train_iters": 10, "checkpoint": "iter_0000010", "spikes": 1, "rewinds": 1}
+    keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "skipped_steps"]
+    one, again, dp2 = (read_metrics(tmp / name) for name in ("spike", "rerun", "dp2"))
+    assert [r["step"] for r in one] == list(range(1, 11))  # steps 5-6 as they ran before the rewind, then 7-10
+    assert one[5]["loss"] > 1000 * one[4]["loss"] / 2 and [r["skipped_steps"] for r in one][5:] == [1, 2, 2, 2, 2]
+    assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in one]  # bitwise
+    assert [r["k"] for r in dp2] == [r["k"] for r in one]
+    for a, b in zip(one, dp2):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)  # summed in another order: float rounding
+    print(f"\nspike@6, rewind: {REWIND_LINE.search(results['spike']['log'])[0]}; a rerun's losses equal bit for bit, "
+          f"2 DP ranks' within {max(abs(a['loss'] - b['loss']) / a['loss'] for a, b in zip(one, dp2)):.1e}")
+
+
+@pytest.mark.slow
+def test_a_hang_ends_with_every_ranks_stacks_and_resumes_exactly(drills):
+    results, tmp = drills
+    hang, resumed = results["hang"], results["resumed"]
+    assert hang["code"] == HANG_EXIT, hang["log"][-3000:]
+    assert hang["seconds"] < 60 * HANG_MINUTES + 30, hang["seconds"]  # the timeout, the watchdog's check, the grace, torchrun
+    [line] = [line for line in hang["log"].splitlines() if line.startswith("hang: ")]
+    assert re.fullmatch(rf"hang: no step progress for \d+ s after step 2 \(--hang-timeout-minutes {HANG_MINUTES:g}\): rank 1 stuck "
+                        r"outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step\); rank 0 waiting in a "
+                        rf"collective; stacks in {tmp}/hang/hang/rank\*.txt; exit 124: a restart \(--load\) resumes from the "
+                        r"last checkpoint", line), line
+    stacks = hang["stacks"]
+    assert stacks[0].splitlines()[0].endswith("; in a collective") and "distributed_c10d.py" in stacks[0]
+    assert stacks[1].splitlines()[0].endswith("; not in a collective") and 'faults.py", line' in stacks[1]
+    assert hang["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002"}
+    _ok(resumed)
+    assert "--inject-fault hang" not in resumed["log"] and len(REWIND_LINE.findall(resumed["log"])) == 1
+    keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "skipped_steps"]
+    expected, got = read_metrics(tmp / "dp2"), read_metrics(tmp / "hang")
+    assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]  # bitwise
+    print(f"\nhang@3:1 on 2 ranks: {line}\nended {hang['seconds']:.1f} s after the hang began (timeout "
+          f"{60 * HANG_MINUTES:g} s); the resume's losses equal the uninterrupted run's bit for bit")
+
+
+def test_attempts_requeue_failures_within_the_budget_per_checkpoint(tmp_path, monkeypatch, capsys):
+    """slurm/train.sbatch's record and retry budget (resilience/attempts.py) against stand-ins for
+    scontrol and sinfo that record their calls: a crash requeues and excludes the node srun named
+    (the partition has nodes to spare), a second failure from the same checkpoint gives up with
+    --max-restarts 1, a new checkpoint starts the count afresh, and so does a new job; an attempt that
+    never ended is found lost at the next start; exit code 2 is never retried."""
+    from fbt_megatron.resilience import attempts
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    for name, out in (("scontrol", "JobId=7 ExcNodeList=(null)"), ("sinfo", "n1\nn2\nn3")):
+        (bin_dir / name).write_text(f"#!/bin/sh\necho {name} \"$@\" >> {calls}\nprintf '{out}\\n'\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    save, log = tmp_path / "run", tmp_path / "job.out"
+
+    def attempt(restart: int, checkpoint: int, code: int, srun_error: str = "") -> int:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        log.write_text(f"=== x: job 7 restart {restart} on n[1-2] at ... ===\n{srun_error}")
+        assert attempts.main(["start", str(save), "--max-restarts", "1"]) == 0
+        (save / attempts.TRACKER).write_text(str(checkpoint))
+        return attempts.main(["end", str(save), "--exit-code", str(code), "--train-iters", "10", "--max-restarts", "1",
+                              "--log", str(log)])
+
+    assert attempt(0, 4, 137, "srun: error: n2: task 1: Killed\nsrun: error: n1: task 0: Exited with exit code 1\n") == 0
+    assert attempt(1, 6, 124) == 0  # a hang, but a new checkpoint was made: the count starts afresh
+    assert attempt(2, 6, 1) == 1  # the second failure from step 6: more than --max-restarts 1
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    assert attempts.main(["start", str(save), "--max-restarts", "1"]) == 1  # requeued by hand: the budget is used up
+    monkeypatch.setenv("SLURM_JOB_ID", "8")  # submitted again: a budget of its own
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert attempts.main(["start", str(save), "--max-restarts", "1"]) == 0
+    (save / attempts.TRACKER).write_text("8")
+    assert attempt(1, 8, 2) == 2  # the previous attempt never ended (found lost); then bad input: never retried
+    records = attempts.read(save)
+    assert [(a["job_id"], a["restart_count"], a["start_step"], a["end_step"], a["exit_code"], a["ended"], a["next"])
+            for a in records] == [
+        (7, 0, 0, 4, 137, "failed", "requeued"), (7, 1, 4, 6, 124, "hang", "requeued"), (7, 2, 6, 6, 1, "failed", "gave up"),
+        (7, 3, 6, 6, None, "not started", "gave up"), (8, 0, 6, 8, None, "lost", "Slurm's"),
+        (8, 1, 8, 8, 2, "bad input", "not retried")]
+    assert records[0]["excluded"] == "n2" and "excluded" not in records[1]
+    assert calls.read_text().splitlines() == ["scontrol show job -o 7", "sinfo -h -N -o %N", "scontrol update JobId=7 ExcNodeList=n2",
+                                              "scontrol requeue 7", "scontrol requeue 7"]
+    out = capsys.readouterr().out
+    assert "=== the training failed (exit code 137) at step 4 of 10: requeueing job 7 (restart 1 of --max-restarts 1 from this " \
+           "checkpoint), excluding node n2, which srun named ===" in out
+    assert "=== the training failed (exit code 1) at step 6 of 10: not requeued, 2 failed attempts since step 6 was " \
+           "checkpointed (--max-restarts 1) ===" in out
+    assert "=== gave up: 2 attempts failed since step 6 was checkpointed (--max-restarts 1); submit again for a new budget ===" in out
+    assert "=== job 8 restart 0 was lost (it never ended: its node failed?) ===" in out

@@ -1,0 +1,63 @@
+"""A recipe's model at its real width through every stage of a run, on this machine, measured.
+
+    python tools/rehearse.py --recipe recipes/fbt_1b_100b.yaml --output runs/rehearsal
+    python tools/rehearse.py --recipe recipes/fbt_1b_100b.yaml --output runs/rehearsal-1l --num-layers 1 --seq-length 64
+    python tools/rehearse.py --recipe recipes/fbt_1b_100b.yaml --output runs/preflight --nproc-per-node 8 \\
+        -- --tensor-model-parallel-size 2 --sequence-parallel true --bf16 true
+
+Training k = 1 then k = 3 with pass recompute and the recipe's optimizer, an async torch_dist
+checkpoint resumed bit for bit and resharded to TP 2, the bfloat16 Hugging Face export loaded
+offline by transformers with greedy tokens equal to megatron's generate in standard, soft and
+fused(2), from-hf back bit-exact, vLLM when .venv-serve exists; peak memory against the planner.
+Flags after ``--`` go to every training stage (a job's layout on a GPU node). Prints one table and
+writes DIR/rehearsal.json; exit code 0 when every check passed, 1 when one failed (fbt_megatron/rehearsal/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fbt_megatron.cli import quiet_library_warnings, run_cli  # noqa: E402
+
+
+def main(argv=None) -> int:
+    quiet_library_warnings()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, train_flags = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(prog="python tools/rehearse.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True, help="the recipe whose model is rehearsed")
+    parser.add_argument("--output", required=True, type=Path, help="a new folder for every artefact and rehearsal.json")
+    parser.add_argument("--num-layers", type=int, help="fewer layers at the same width (default: the recipe's)")
+    parser.add_argument("--seq-length", type=int, default=256, help="training sequence (default 256)")
+    parser.add_argument("--vocab-size", type=int,
+                        help="the embedding's rows: the corpus tokenizer widened to this size (default: the preset's)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="processes of the training and resume stages (default 1)")
+    parser.add_argument("--reshard-tp", type=int, default=2, help="tensor-parallel size of the reshard stage (default 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens per decode mode (default 8)")
+    parser.add_argument("--max-shard-size", default="1GB", help="of the export's safetensors (default 1GB)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM stage (default: run it when .venv-serve exists)")
+    parser.add_argument("--echo", action="store_true", help="show the stages' output as it comes")
+    args = parser.parse_args(own)
+
+    from fbt_megatron.folders import check_new_folder
+    from fbt_megatron.rehearsal.stages import Options, rehearse
+
+    check_new_folder(args.output, "--output")
+    from fbt_megatron import flags
+
+    flags.parse(["--recipe", args.recipe, *train_flags], prog="python tools/rehearse.py", description="")  # bad: one line
+    options = Options(recipe=args.recipe, output=args.output, num_layers=args.num_layers, seq_length=args.seq_length,
+                      vocab_size=args.vocab_size, nproc_per_node=args.nproc_per_node, reshard_tp=args.reshard_tp,
+                      max_new_tokens=args.max_new_tokens, max_shard_size=args.max_shard_size, train_flags=train_flags,
+                      threads=args.threads, vllm=not args.no_vllm, echo=args.echo)
+    return 0 if rehearse(options).ok() else 1
+
+
+if __name__ == "__main__":
+    run_cli(main)
