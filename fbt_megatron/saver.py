@@ -8,6 +8,7 @@ then the run ends after an exit interval or a stop, or with ``BadStepsError`` on
 in a row were bad (its last good checkpoint intact). With ``--async-save`` the checkpoints are
 written in the background, polled every step and awaited before the run ends (``wait``). The end
 is recorded in ``<save>/exit_status.json`` and said in one line, with what saving cost (``finish``).
+Before the run starts, ``check_save`` refuses a ``--save`` folder that holds another run.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch.distributed as dist
 
 from fbt_megatron import checkpointing
 from fbt_megatron.cli import plural
+from fbt_megatron.errors import RecipeError
+from fbt_megatron.metrics import METRICS, read_metrics
 from fbt_megatron.recipe import Recipe
-from fbt_megatron.stopping import stop_line, write_status
+from fbt_megatron.stopping import STATUS, stop_line, write_status
 
 
 class Saver:
@@ -82,3 +85,29 @@ class Saver:
 def _counts(state) -> dict:
     """What ``exit_status.json`` counts besides the end: the loss spikes and rewinds (``resilience.spikes``)."""
     return {"spikes": state.spikes, "rewinds": state.rewinds}
+
+
+def other_run(folder) -> Optional[str]:
+    """What makes ``folder`` hold a run (its checkpoints, metrics, exit status), in words; None: nothing."""
+    found = []
+    steps = checkpointing.iterations(folder)
+    if steps:
+        found.append(f"checkpoints to step {steps[-1]}")
+    if (Path(folder) / METRICS).is_file():
+        found.append(f"{METRICS} to step {max((r['step'] for r in read_metrics(folder)), default=0)}")
+    if (Path(folder) / STATUS).is_file():
+        found.append(STATUS)
+    return ", ".join(found) or None
+
+
+def check_save(recipe: Recipe) -> None:
+    """Refuse a ``--save`` folder that holds another run this one would overwrite: a run that does not
+    resume it (``--load`` is another folder or unset) starts from scratch there. ``--load X --save X``
+    (a resume, a requeued Slurm job) and ``--overwrite-save`` pass."""
+    c = recipe.checkpoint
+    if c.save is None or c.overwrite_save or (c.load is not None and Path(c.load).resolve() == Path(c.save).resolve()):
+        return
+    held = Path(c.save).is_dir() and other_run(c.save)
+    if held:
+        raise RecipeError(f"--save {c.save} holds another run ({held}) that this run would overwrite: resume it with "
+                          f"--load {c.save}, choose another --save, or add --overwrite-save to replace it")

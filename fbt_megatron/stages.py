@@ -120,9 +120,8 @@ def _weights_start(recipe: Recipe, flag: str, folder: str, iteration: Optional[i
 
 def start_of(recipe: Recipe) -> Optional[Start]:
     """The checkpoint this run starts from (None: from scratch), checked against the recipe before
-    any work is done; ``--save`` checked too (``check_save``)."""
+    any work is done."""
     c = recipe.checkpoint
-    check_save(recipe)
     if c.finetune and c.load is None and c.pretrained_checkpoint is None:
         raise RecipeError("--finetune starts from the weights of --load's checkpoint: give --load RUN")
     found = c.load is not None and (c.ckpt_step is not None or checkpointing.latest_iteration(c.load) is not None)
@@ -143,35 +142,6 @@ def start_of(recipe: Recipe) -> Optional[Start]:
             f"the checkpoint in {c.load} is at iteration {saved['iteration']}, not before --train-iters {recipe.training.train_iters}"
         )
     return Start(c.load, c.ckpt_step, saved, weights_only=False)
-
-
-def other_run(folder) -> Optional[str]:
-    """What makes ``folder`` hold a run (its checkpoints, metrics, exit status), in words; None: nothing."""
-    from fbt_megatron.metrics import METRICS, read_metrics
-    from fbt_megatron.stopping import STATUS
-
-    found = []
-    steps = checkpointing.iterations(folder)
-    if steps:
-        found.append(f"checkpoints to step {steps[-1]}")
-    if (Path(folder) / METRICS).is_file():
-        found.append(f"{METRICS} to step {max((r['step'] for r in read_metrics(folder)), default=0)}")
-    if (Path(folder) / STATUS).is_file():
-        found.append(STATUS)
-    return ", ".join(found) or None
-
-
-def check_save(recipe: Recipe) -> None:
-    """Refuse a ``--save`` folder that holds another run this one would overwrite: a run that does not
-    resume it (``--load`` is another folder or unset) starts from scratch there. ``--load X --save X``
-    (a resume, a requeued Slurm job) and ``--overwrite-save`` pass."""
-    c = recipe.checkpoint
-    if c.save is None or c.overwrite_save or (c.load is not None and Path(c.load).resolve() == Path(c.save).resolve()):
-        return
-    held = Path(c.save).is_dir() and other_run(c.save)
-    if held:
-        raise RecipeError(f"--save {c.save} holds another run ({held}) that this run would overwrite: resume it with "
-                          f"--load {c.save}, choose another --save, or add --overwrite-save to replace it")
 
 
 def check_vocabulary(start: Optional[Start], vocab_size: int) -> None:

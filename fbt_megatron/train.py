@@ -32,7 +32,7 @@ from fbt_megatron.passes import pass_schedule
 from fbt_megatron.plan.planner import print_plan
 from fbt_megatron.recipe import Recipe
 from fbt_megatron.resilience.watchdog import Watchdog
-from fbt_megatron.saver import Saver
+from fbt_megatron.saver import Saver, check_save
 from fbt_megatron.step import TrainStep, evaluate
 from fbt_megatron.stopping import StopCheck
 
@@ -52,6 +52,7 @@ def train(recipe: Recipe) -> List[dict]:
         return []
     recipe.validate(world)
     warmup_note = recipe.clamp_warmup()
+    check_save(recipe)  # a --save folder holding another run is refused (unless resumed or --overwrite-save)
     origin = stages.start_of(recipe)  # resume, weights of another run (a stage), or None: from scratch
     saved = origin.saved if origin is not None and not origin.weights_only else None
     schedule, schedule_note = choose_schedule(recipe, saved)

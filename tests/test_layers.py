@@ -12,18 +12,18 @@ from pathlib import Path
 PACKAGE = Path(__file__).parent.parent / "fbt_megatron"
 
 LAYERS = [
-    ("ground floor: errors, the platform, checkpoints, data, the sequence layout",
+    ("ground floor: errors, the platform, checkpoints, data, the sequence layout, stopping and failures",
      ["errors", "decode_modes", "folders", "compat", "processes", "megatron_fixes", "platform", "cli", "stopping",
-      "checkpointing", "data", "seeds", "sequence", "offload",
+      "checkpointing", "data", "seeds", "sequence", "offload", "resilience",
       "layers"]),
     ("configuration: the model config, recipes and their flags, the pass schedule, the losses",
      ["config", "recipe", "flags", "passes", "losses"]),
     ("the model and its training parts: the paper's idea, the parallelisms, the optimizers, bad steps, stages",
      ["fbt", "model", "parallel", "optimizers", "bad_steps", "stages"]),
-    ("a run: its data, model and optimizer, step, saver and log; a trained run; the plan",
-     ["data.build", "build", "step", "saver", "metrics", "runs", "plan"]),
-    ("what works on runs: generation, conversion, evaluation, the tasks, diagnostics, Slurm, studies",
-     ["generate", "convert", "evaluation", "serving", "tasks", "diagnostics", "slurm", "studies"]),
+    ("a run: its data, model and optimizer, step, saver and log (its monitoring); a trained run; the plan",
+     ["data.build", "build", "step", "saver", "metrics", "monitoring", "runs", "plan"]),
+    ("what works on runs: generation, conversion, evaluation, the tasks, diagnostics, Slurm, studies, the rehearsal",
+     ["generate", "convert", "evaluation", "serving", "tasks", "diagnostics", "slurm", "studies", "rehearsal"]),
     ("the entry points: training, torchrun for training", ["train", "torchrun"]),
 ]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fbt_megatron import build, checkpointing, train
+from fbt_megatron import build, checkpointing, saver, train
 from fbt_megatron.bad_steps import optimizer_step
 from fbt_megatron.metrics import read_metrics
 from forked import Signal, descendants, run_commands, survivors
@@ -455,8 +455,6 @@ def test_save_into_another_run_without_load_is_one_line_and_leaves_it(tmp_path):
     line naming --overwrite-save, exit 2, the folder byte for byte as it was (a real process). A
     resume (``--load X --save X``, what a requeued Slurm job passes), --overwrite-save, and a stage
     from another run's weights into a fresh folder pass the check."""
-    from fbt_megatron import stages
-
     folder = tmp_path / "ow"
     before = _other_run(folder)
     out, err = tmp_path / "out", tmp_path / "err"
@@ -467,7 +465,7 @@ def test_save_into_another_run_without_load_is_one_line_and_leaves_it(tmp_path):
     assert {p.name: p.read_bytes() if p.is_file() else None for p in folder.iterdir()} == before
 
     def check(*flags):
-        stages.check_save(train.parse_args(["--recipe", TINY, *map(str, flags)]))
+        saver.check_save(train.parse_args(["--recipe", TINY, *map(str, flags)]))
 
     check("--save", folder, "--load", folder)
     check("--save", folder, "--overwrite-save")

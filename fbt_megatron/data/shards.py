@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 
 from fbt_megatron.data.documents import Source, sources
 from fbt_megatron.data.preprocess import indexed_outputs, preprocess

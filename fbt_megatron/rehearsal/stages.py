@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from fbt_megatron.rehearsal import checks
-from fbt_megatron.rehearsal.measure import GiB, Measured, run_stage
+from fbt_megatron.rehearsal.measure import Measured, run_stage
 from fbt_megatron.rehearsal.report import Report
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 from .measure import Ratio, median_ratio, progress, settings, time_rounds
 from .report import format_report as report
