@@ -36,6 +36,8 @@ DECODE_KEYS = {
 DATA_KEYS = {
     "preprocess_per_core_vs_raw_sentencepiece",
     "preprocess_per_core_vs_raw_huggingface",
+    "preprocess_cpu_vs_raw_sentencepiece",
+    "preprocess_cpu_vs_raw_huggingface",
     "preprocess_peak_memory_10x",
 }
 

@@ -246,6 +246,22 @@ def test_a_batch_log_gets_periodic_status_lines(capsys):
     lines = capsys.readouterr().err.splitlines()  # stderr is captured: not a terminal
     assert lines[0].startswith("tokenize: 1 document, 10 tokens, ") and "tokens/s, ETA 0:00:00" in lines[0]
     assert len(lines) == 6 and lines[-1].startswith("tokenize: 5 documents, 50 tokens") and "done in 0:00:00" in lines[-1]
+    list(progress(iter(range(2)), "web", True, tokens=lambda i: 10, every=0.0, done=lambda: 0.5))  # the share read
+    assert all("tokens/s, ETA 0:00:00" in line for line in capsys.readouterr().err.splitlines()[:2])
+
+
+def test_the_share_of_the_input_read_grows_to_one_in_every_format(formats):
+    """The ETA of a batch log comes from the bytes read on disk (the offset in a compressed file,
+    the rows of a parquet file, the arrow files of a saved dataset) against the inputs' sizes."""
+    from fbt_megatron.data.documents import Reading
+
+    for name, folder in formats.items():
+        reading = Reading()
+        shares = [reading.fraction() for _ in iter_documents([str(folder)], reading=reading)]
+        assert reading.total == sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and
+                                    (name != "datasets" or p.suffix == ".arrow")), name
+        assert shares == sorted(shares) and 0 < shares[0] and reading.fraction() == 1.0, (name, shares)
+        assert len(set(shares)) > (2 if name != "txt.gz" else 20), (name, shares)  # it moves within and across files
 
 
 def test_slurm_prepare_renders_a_shard_array_and_a_merge_after_it(formats, tokenizer, tmp_path):

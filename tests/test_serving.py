@@ -11,8 +11,11 @@ recipes/sft_tiny_cpu.yaml, and lm-eval's vLLM backend against the HF ``fbt`` mod
 client meets (a bad mode or key, beam search in soft, a head dimension vLLM cannot attend with) are
 one message each.
 
-Engine starts are few (they take ~15 s on an idle machine): one offline engine per feedback source,
-one server, one lm-eval engine. The module is skipped only when vLLM is not installed
+Every offline equality test runs twice: on engines with vLLM's default compilation (torch.compile
+of the model's pass) and with ``enforce_eager``; the server runs docs/serving.md's command (compiled),
+lm-eval its backend's default (eager). Engine starts are few (~15 s on an idle machine, plus ~30 s
+the first time a shape compiles): one offline engine per feedback source and mode, one server, one
+lm-eval engine. The module is skipped only when vLLM is not installed
 (``pip install -r requirements-serve.txt``); CI installs it and sets FBT_REQUIRE_VLLM=1, which
 turns the skip into a failure.
 """
@@ -38,7 +41,6 @@ if importlib.util.find_spec("vllm") is None:
 
 # the engine's workers (spawned processes) read these
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # vLLM's sampler compiles a logprob kernel with inductor
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model: inspect the state buffer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -63,11 +65,13 @@ def mixed(lengths=LENGTHS, modes=MODES, seed=0):
     return [(p, m) for p in prompts(lengths, seed) for m in modes]
 
 
-def engine(export, **kwargs):
+def engine(export, compilation, **kwargs):
+    """An offline engine; ``compilation``: "compiled" (vLLM's default: the one-pass step through
+    torch.compile) or "eager" (``enforce_eager``)."""
     from vllm import LLM
 
-    args = dict(model=str(export), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
-                max_num_seqs=4, enable_chunked_prefill=False, seed=0)
+    args = dict(model=str(export), skip_tokenizer_init=True, dtype="float32", enforce_eager=compilation == "eager",
+                max_model_len=128, max_num_seqs=4, enable_chunked_prefill=False, seed=0)
     return LLM(**{**args, **kwargs})
 
 
@@ -148,21 +152,28 @@ def reference(exports):
     return Reference(exports["residual"])
 
 
+@pytest.fixture(scope="module", params=["compiled", "eager"])
+def compilation(request):
+    """Every offline equality test runs on a compiled engine (vLLM's default) and an eager one."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(exports):
+def llm(exports, compilation):
     """The residual export: no chunked prefill, 4 sequences at a time, and a KV cache of 16 blocks of
     32 tokens (about 85 tokens of every layer: running requests that grow past a block get preempted)."""
-    llm = engine(exports["residual"], block_size=32, num_gpu_blocks_override=16, max_model_len=64)
+    llm = engine(exports["residual"], compilation, block_size=32, num_gpu_blocks_override=16, max_model_len=64)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
 
-def test_mixed_modes_batching_and_preemption_equal_hf(llm, reference):
+def test_mixed_modes_batching_and_preemption_equal_hf(llm, reference, compilation):
     """18 requests (6 lengths × standard/soft/fused(2), 24 new tokens each) submitted together through
     4 slots and a KV cache that preempts: every one equals HF's generate, and the fed-back states were recomputed
     exactly after preemption (which the test checks happened)."""
     requests = mixed()
     before = state_of(llm)
+    assert before["compiled"] == (compilation == "compiled")  # vLLM compiles the model's pass unless eager
     outputs = run(llm, requests, max_tokens=24)  # prompts of up to 40 grow to 64 tokens
     assert_equal(reference, requests, outputs, "batching + preemption (residual)")
     after = state_of(llm)
@@ -259,7 +270,7 @@ def test_soft_on_a_baseline_is_refused_at_admission():
         engine_module._CURRENT = saved
 
 
-def test_chunked_prefill_final_norm_feedback_and_hf_overrides(llm, exports):
+def test_chunked_prefill_final_norm_feedback_and_hf_overrides(llm, exports, compilation):
     """The final-norm export with chunked prefill and a 16-token budget: prompts of up to 40
     tokens arrive in chunks; standard and soft equal HF; fused(n) is refused in one line (it needs
     the whole prompt in one step) and the engine keeps serving. The same engine is started with
@@ -269,7 +280,7 @@ def test_chunked_prefill_final_norm_feedback_and_hf_overrides(llm, exports):
     from vllm.exceptions import VLLMValidationError
 
     llm.llm_engine.engine_core.shutdown()  # one engine at a time on the 2-core machine
-    chunked = engine(exports["final_norm"], enable_chunked_prefill=True, max_num_batched_tokens=16,
+    chunked = engine(exports["final_norm"], compilation, enable_chunked_prefill=True, max_num_batched_tokens=16,
                      hf_overrides={"decode_mode": "standard"})
     try:
         reference = Reference(exports["final_norm"])
@@ -338,7 +349,7 @@ def test_openai_server_in_every_mode_and_chat(sft_export, tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
     cmd = [str(Path(sys.executable).parent / "vllm"), *docs_serve_command(export)[1:], "--host", "127.0.0.1",
-           "--port", str(port), "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0"]
+           "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0"]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # the command sizes its KV cache
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:

@@ -150,6 +150,8 @@ def dry_runs(tmp_path_factory):
         "serve": ["serve", str(data["export"]), "--time", "08:00:00", "--partition", "gpu", "--container-image", IMAGE,
                   "--port", "8100", "--log-dir", str(tmp / "logs"), "--dry-run", "--", "--max-model-len", "512"],
         "serve placeholder": ["serve", "/path/to/export", "--time", "08:00:00", "--dry-run"],
+        "serve cpu": ["serve", str(data["export"]), "--time", "01:00:00", "--gpus", "0", "--container-image", IMAGE,
+                      "--log-dir", str(tmp / "logs"), "--dry-run"],
         "evaluate": ["evaluate", str(data["export"]), "--output", str(tmp / "eval" / "x.md"), "--time", "01:00:00",
                      "--container-image", IMAGE, "--log-dir", str(tmp / "logs"), "--dry-run", "--", "--modes", "standard"],
         **{bad: ["submit", *argv] for bad, argv in BAD.items()},
@@ -278,6 +280,13 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
                  "export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0}",
                  f"serves {data['export']} at http://$(hostname):8100/v1", "export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}"]:
         assert line in serve, line
+    assert "--kv-cache-memory-bytes" not in serve  # a GPU node sizes its KV cache from the GPU's memory
+    code, output = cases["serve cpu"]  # a CPU node: compiled, and a KV cache of docs/serving.md's size
+    assert code == 0, output
+    [serve_cpu] = scripts(output).values()
+    assert f'vllm serve {data["export"]} \\\n' in serve_cpu and "--gpus-per-node" not in serve_cpu, serve_cpu
+    [command] = [line.strip() for line in serve_cpu.splitlines() if "--host 0.0.0.0" in line]
+    assert command == "--host 0.0.0.0 --port 8000 --kv-cache-memory-bytes 1G", serve_cpu  # no --enforce-eager
     code, output = cases["evaluate"]
     assert code == 0, output
     [evaluate] = scripts(output).values()
@@ -463,3 +472,41 @@ def test_chained_stages_run_through_slurm_then_export_and_evaluation(slurm, tmp_
     assert "standard" in table, table
     print(f"\nslurm chain, jobs {jobs} (afterok): " + "; ".join(f"{n} losses {l}" for n, l in losses.items())
           + f"; export + evaluation job {jobs[-1]}:\n{table}\n{time.time() - began:.0f} s")
+
+
+@pytest.mark.slow
+def test_a_corpus_prepared_as_a_job_array_merges_into_what_one_process_writes(slurm, small_corpus, tmp_path):
+    """``python -m fbt_megatron.slurm prepare`` for real: a job array of 2 shards of 3 JSONL files
+    (one CPU each: both at once on the 2-core node) and the merge job after it (afterok); the merged
+    .bin/.idx are byte for byte what one ``preprocess_data`` process writes from all the inputs."""
+    import sysconfig
+
+    from fbt_megatron.data.preprocess import preprocess
+
+    began = time.time()
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]
+    inputs, logs, out = tmp_path / "web", tmp_path / "logs", tmp_path / "out"
+    inputs.mkdir()
+    out.mkdir()
+    for i in range(3):
+        (inputs / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": p.read_text()}) + "\n" for p in stdlib[i::3]))
+    tokenizer = small_corpus.tokenizer_path
+    [(code, output)] = submit_many(tmp_path, [["prepare", "--input", str(inputs / "part-*.jsonl"), "--tokenizer", tokenizer,
+                                               "--output-prefix", str(out / "web"), "--shards", "2", "--time", "00:10:00",
+                                               "--cpus-per-task", "1", "--log-dir", str(logs)]])
+    assert code == 0, output
+    array, merge = job_ids(output)
+    assert slurm.job(merge)["Dependency"] in (f"afterok:{array}_*(unfulfilled)", "(null)")  # (null) once it ran
+    slurm.wait_for(merge, {"COMPLETED"}, timeout=300)
+    shards = [(logs / f"prepare-web-{array}_{i}.out").read_text() for i in range(2)]
+    for i, text in enumerate(shards):
+        assert f"{out}/web_shard-{i:05d}-of-00002.bin/.idx: " in text, text[-3000:]
+    merged = (logs / f"prepare-web-merge-{merge}.out").read_text()
+    assert f"{out}/web.bin/.idx: 2 prefixes merged, 30 documents" in merged, merged[-3000:]
+
+    one = preprocess([str(inputs / "part-*.jsonl")], tokenizer, str(tmp_path / "one"), workers=1, show_progress=False)
+    for ext in (".bin", ".idx"):
+        assert (out / f"web{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes(), ext
+    print(f"\nslurm prepare: array job {array} (2 shards) then merge job {merge} (afterok): {out}/web.bin/.idx "
+          f"byte-identical to one process's ({one['documents']} documents, {one['tokens']:,} tokens); "
+          f"{time.time() - began:.0f} s")

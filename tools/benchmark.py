@@ -3,8 +3,10 @@
     python tools/benchmark.py                       # the k-pass training step, about 1.5 minutes on 2 idle cores
     python tools/benchmark.py --decode              # generation (fbt-1b shape, fp32), a few minutes
     python tools/benchmark.py --optimizers          # the optimizer step, NorMuon + Adam against Adam
-    python tools/benchmark.py --serving [--export EXPORT]   # vLLM serving (needs requirements-serve.txt)
-    python tools/benchmark.py --data                # corpus preparation against the raw tokenizers, a few minutes
+    python tools/benchmark.py --serving [--export EXPORT]   # vLLM serving, against vLLM's Qwen3 of the same
+                                                    # shape (needs requirements-serve.txt), ~20 minutes
+    python tools/benchmark.py --data [--megatron-lm DIR]   # corpus preparation against the raw tokenizers
+                                                    # (and Megatron-LM's preprocess_data), a few minutes
     python tools/benchmark.py --quick --json bench.json
 
 Times are medians over interleaved repeats; it prints the ratios with their goals (PASS/MISS) and
@@ -46,6 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="--decode / --serving: tokens generated in the decode measurement (default: 9 / 64, >= 2)")
     parser.add_argument("--export", metavar="DIR",
                         help="--serving: an FBT export to serve (default: a random one of the benchmark shape)")
+    parser.add_argument("--megatron-lm", metavar="DIR",
+                        help="--data: a Megatron-LM checkout whose tools/preprocess_data.py is compared (default: not run)")
+    parser.add_argument("--megatron-lm-python", metavar="PYTHON",
+                        help="--data: the interpreter that runs Megatron-LM's tool (default: this one)")
+    parser.add_argument("--data-megabytes", type=int, metavar="N",
+                        help="--data: MB of JSONL timed, and the 1× of the memory ratio (default: 16)")
     for name in SHAPE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=int, metavar="N")
     parser.add_argument("--sliding-window", type=int, metavar="N", help="attention window (0: every layer global)")
@@ -66,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.new_tokens is not None and args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2, got {args.new_tokens}")
-    for name in (*SHAPE_FLAGS, "micro_batch_size", "repeats", "threads", "prompt_length"):
+    for name in (*SHAPE_FLAGS, "micro_batch_size", "repeats", "threads", "prompt_length", "data_megabytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -75,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.export is not None and not (Path(args.export) / "config.json").is_file():
         raise ValueError(f"--export {args.export} is not an export folder (no config.json): give a to-hf output")
+    if args.megatron_lm is not None and not (Path(args.megatron_lm) / "tools" / "preprocess_data.py").is_file():
+        raise ValueError(f"--megatron-lm {args.megatron_lm} has no tools/preprocess_data.py: give a Megatron-LM checkout")
     if args.json is not None and args.json.is_dir():
         raise ValueError(f"--json {args.json} is a directory; give a file path")
     return args

@@ -5,8 +5,8 @@
     python tools/rehearse.py --recipe recipes/fbt_1b_100b.yaml --output runs/preflight --nproc-per-node 8 \\
         -- --tensor-model-parallel-size 2 --sequence-parallel true --bf16 true
 
-Training k = 1 then k = 3 with pass recompute and the recipe's optimizer, an async torch_dist
-checkpoint resumed bit for bit and resharded to TP 2, the bfloat16 Hugging Face export loaded
+Training k = 1 then k = 3 with pass recompute and the recipe's optimizer, a torch_dist checkpoint
+(async where the memory budget holds it) resumed bit for bit and resharded to TP 2, the bfloat16 Hugging Face export loaded
 offline by transformers with greedy tokens equal to megatron's generate in standard, soft and
 fused(2), from-hf back bit-exact, vLLM when .venv-serve exists; peak memory against the planner.
 Flags after ``--`` go to every training stage (a job's layout on a GPU node). Prints one table and
@@ -32,7 +32,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/rehearse.py", description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="the recipe whose model is rehearsed")
     parser.add_argument("--output", required=True, type=Path, help="a new folder for every artefact and rehearsal.json")
-    parser.add_argument("--num-layers", type=int, help="fewer layers at the same width (default: the recipe's)")
+    parser.add_argument("--num-layers", type=int,
+                        help="fewer layers at the same width (default: the recipe's, or the most that fit --memory-budget-gib)")
+    parser.add_argument("--memory-budget-gib", type=float, default=11.5,
+                        help="what one training process may hold on CPU, by the planner's estimate x 1.1 (default 11.5: "
+                             "21 GB less what megatron-core's forked checkpoint writers hold during a save, about 1.3x "
+                             "the checkpoint; docs/planning.md)")
     parser.add_argument("--seq-length", type=int, default=256, help="training sequence (default 256)")
     parser.add_argument("--vocab-size", type=int,
                         help="the embedding's rows: the corpus tokenizer widened to this size (default: the preset's)")
@@ -53,6 +58,7 @@ def main(argv=None) -> int:
 
     flags.parse(["--recipe", args.recipe, *train_flags], prog="python tools/rehearse.py", description="")  # bad: one line
     options = Options(recipe=args.recipe, output=args.output, num_layers=args.num_layers, seq_length=args.seq_length,
+                      memory_budget_gib=args.memory_budget_gib,
                       vocab_size=args.vocab_size, nproc_per_node=args.nproc_per_node, reshard_tp=args.reshard_tp,
                       max_new_tokens=args.max_new_tokens, max_shard_size=args.max_shard_size, train_flags=train_flags,
                       threads=args.threads, vllm=not args.no_vllm, echo=args.echo)

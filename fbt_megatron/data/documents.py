@@ -119,6 +119,19 @@ class BadRecords:
         return f"skipped {self.skipped:,} bad record{'s' * (self.skipped != 1)}" + (f": {kinds}" if kinds else "")
 
 
+class Reading:
+    """How far a read of sources got, in bytes on disk (a batch log's ETA): the sizes of the
+    sources read through, plus the offset reached in the current file (compressed: its compressed
+    bytes; a parquet file: its share of rows; a saved dataset: its arrow files read through)."""
+
+    def __init__(self):
+        self.total = self.before = 0
+        self.current = lambda: 0
+
+    def fraction(self) -> float:
+        return min(1.0, (self.before + self.current()) / self.total) if self.total else 0.0
+
+
 def _parse_limit(limit: str | None) -> tuple[int | None, float | None]:
     if limit is None:
         return None, None
@@ -181,15 +194,21 @@ def _needs(module: str, package: str, path: str):
         raise ValueError(f"{path}: reading it needs the {package} package (pip install {package})") from None
 
 
-def _open_binary(path: str) -> io.BufferedIOBase:
-    """The file's bytes, decompressed by its suffix (.gz, .zst)."""
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".zst"):
-        zstandard = _needs("zstandard", "zstandard", path)
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20)
-    return open(path, "rb")
+@contextlib.contextmanager
+def _open_binary(path: str, reading: Reading) -> Iterator[io.BufferedIOBase]:
+    """The file's bytes, decompressed by its suffix (.gz, .zst); `reading` follows its offset on disk."""
+    zstandard = _needs("zstandard", "zstandard", path) if path.endswith(".zst") else None
+    with open(path, "rb") as raw:
+        reading.current = raw.tell
+        if path.endswith(".gz"):
+            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                yield f
+        elif zstandard is not None:
+            with io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False), 1 << 20) as f:
+                yield f
+        else:
+            yield raw
+        reading.current = lambda: 0
 
 
 def _decode(data: bytes, path: str, first_line: int, bad: BadRecords) -> str | None:
@@ -203,8 +222,8 @@ def _decode(data: bytes, path: str, first_line: int, bad: BadRecords) -> str | N
         return None
 
 
-def _jsonl(source: Source, key: str, bad: BadRecords) -> Iterator[Document]:
-    with _open_binary(source.path) as f:
+def _jsonl(source: Source, key: str, bad: BadRecords, reading: Reading) -> Iterator[Document]:
+    with _open_binary(source.path, reading) as f:
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -238,22 +257,29 @@ def _arrow_files(folder: str) -> list[str]:
         return [os.path.join(folder, d["filename"]) for d in json.load(f)["_data_files"]]
 
 
-def _batches(source: Source, key: str):
+def _batches(source: Source, key: str, reading: Reading):
     """The `key` column of a parquet file or a saved dataset, a record batch at a time."""
     pyarrow = _needs("pyarrow", "pyarrow", source.path)
     if os.path.isdir(source.path):
+        read = 0
         for path in _arrow_files(source.path):
             with pyarrow.memory_map(path) as stream:
+                reading.current = lambda read=read: read + stream.tell()
                 reader = pyarrow.ipc.open_stream(stream)
                 _check_column(reader.schema.names, key, source.path)
                 for batch in reader:
                     yield batch.column(key)
+            read += os.path.getsize(path)
+            reading.current = lambda read=read: read
         return
     import pyarrow.parquet
 
     file = pyarrow.parquet.ParquetFile(source.path)
     _check_column(file.schema_arrow.names, key, source.path)
+    rows, size = 0, source.size
     for batch in file.iter_batches(batch_size=1024, columns=[key]):
+        rows += batch.num_rows
+        reading.current = lambda rows=rows: size * rows // max(file.metadata.num_rows, 1)
         yield batch.column(0)
 
 
@@ -262,9 +288,9 @@ def _check_column(names: list[str], key: str, path: str) -> None:
         raise ValueError(f"{path}: no column {key!r} (it has {', '.join(names)}; choose the text field with --json-key)")
 
 
-def _table(source: Source, key: str, bad: BadRecords) -> Iterator[Document]:
+def _table(source: Source, key: str, bad: BadRecords, reading: Reading) -> Iterator[Document]:
     row = 0
-    for column in _batches(source, key):
+    for column in _batches(source, key, reading):
         for value in column.to_pylist():
             row += 1
             if not isinstance(value, str):
@@ -275,16 +301,16 @@ def _table(source: Source, key: str, bad: BadRecords) -> Iterator[Document]:
                 yield Document(f"{source.name}:{row}", value)
 
 
-def _text(source: Source, split: str, bad: BadRecords) -> Iterator[Document]:
+def _text(source: Source, split: str, bad: BadRecords, reading: Reading) -> Iterator[Document]:
     if split == "file":
-        with _open_binary(source.path) as f:
+        with _open_binary(source.path, reading) as f:
             text = _decode(f.read(), source.path, 1, bad)
-        if text is not None:
-            bad.records += 1
-            if text:
-                yield Document(source.name, text)
+            if text is not None:
+                bad.records += 1
+                if text:
+                    yield Document(source.name, text)
         return
-    with _open_binary(source.path) as f:
+    with _open_binary(source.path, reading) as f:
         lines = ((n, _decode(raw, source.path, n, bad)) for n, raw in enumerate(f, 1))
         yield from _pieces(lines, source.name, split, bad)
 
@@ -319,30 +345,35 @@ def split_text(text: str, name: str, split: str) -> Iterator[Document]:
 
 
 def read_source(source: Source, json_key: str = "text", split: str = "file",
-                bad: BadRecords | None = None) -> Iterator[Document]:
+                bad: BadRecords | None = None, reading: Reading | None = None) -> Iterator[Document]:
     """The documents of one source, by its format (see the module docstring)."""
     bad = BadRecords() if bad is None else bad
+    reading = Reading() if reading is None else reading
     path = source.path
     stem = path[:-3] if path.endswith(".gz") else path[:-4] if path.endswith(".zst") else path
     if os.path.isdir(path) or path.endswith(".parquet"):
-        yield from _table(source, json_key, bad)
+        yield from _table(source, json_key, bad, reading)
     elif stem.endswith(".jsonl"):
-        yield from _jsonl(source, json_key, bad)
+        yield from _jsonl(source, json_key, bad, reading)
     else:
-        yield from _text(source, split, bad)
+        yield from _text(source, split, bad, reading)
 
 
 def iter_documents(inputs: list[str] | list[Source], json_key: str = "text", split: str = "file",
-                   bad: BadRecords | None = None) -> Iterator[Document]:
+                   bad: BadRecords | None = None, reading: Reading | None = None) -> Iterator[Document]:
     """The documents of `inputs` (files, folders, patterns, or ``Source``s) in order, text files
     split by ``split``; a missing input or no document at all is an error; bad records as `bad`
-    says (default: an error)."""
+    says (default: an error); `reading` follows the bytes read (``Reading``)."""
     bad = BadRecords() if bad is None else bad
-    found = False
-    for source in inputs if inputs and isinstance(inputs[0], Source) else sources(inputs):
-        for doc in read_source(source, json_key, split, bad):
+    reading = Reading() if reading is None else reading
+    units = inputs if inputs and isinstance(inputs[0], Source) else sources(inputs)
+    reading.total, reading.before, found = sum(unit.size for unit in units), 0, False
+    for source in units:
+        for doc in read_source(source, json_key, split, bad, reading):
             found = True
             yield doc
+        reading.before += source.size
+        reading.current = lambda: 0
     if not found:
         names = ", ".join(s.path if isinstance(s, Source) else s for s in inputs)
         raise ValueError(f"no documents in {names or 'the inputs'} (empty corpus)")
@@ -358,11 +389,11 @@ def _clock(seconds: float) -> str:
 
 
 def progress(items: Iterable, desc: str, show: bool, total: int | None = None, tokens=None,
-             every: float = STATUS_EVERY) -> Iterator:
+             every: float = STATUS_EVERY, done=None) -> Iterator:
     """`items` (documents), counted: a tqdm bar when `show` and stderr is a terminal; when `show`
     and it is not (a batch job's log), a status line every `every` seconds and one at the end:
-    documents, and with `tokens` (an item's token count) tokens, tokens/s and, with `total`
-    (documents), the ETA."""
+    documents, and with `tokens` (an item's token count) tokens, tokens/s and the ETA, from
+    `total` (documents) or else from `done` (the share of the input read: ``Reading.fraction``)."""
     if not show or sys.stderr.isatty():
         yield from tqdm(items, desc=desc, unit=" docs", total=total, disable=None if show else True)
         return
@@ -375,7 +406,8 @@ def progress(items: Iterable, desc: str, show: bool, total: int | None = None, t
         now = time.monotonic()
         if now - last >= every:
             last = now
-            eta = f", ETA {_clock((now - start) * (total - count) / count)}" if total else ""
+            share = count / total if total else done() if done else 0.0
+            eta = f", ETA {_clock((now - start) * (1 - share) / share)}" if share > 0 else ""
             print(_status(desc, count, total_tokens, now - start) + eta, file=sys.stderr, flush=True)
     print(_status(desc, count, total_tokens, time.monotonic() - start) + f", done in {_clock(time.monotonic() - start)}",
           file=sys.stderr, flush=True)

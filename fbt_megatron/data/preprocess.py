@@ -21,10 +21,10 @@ import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from fbt_megatron import processes
-from fbt_megatron.data.documents import BadRecords, iter_documents, progress
+from fbt_megatron.data.documents import BadRecords, Reading, iter_documents, progress
 from fbt_megatron.data.tokenizer import Tokenizer, load_tokenizer
 
-CHUNK_BYTES = 1 << 20  # text per task sent to a worker
+CHUNK_BYTES = 1 << 18  # text per task sent to a worker: small, so that the workers end together
 CHUNK_DOCUMENTS = 256
 IN_FLIGHT = 4  # chunks per worker queued or being tokenized
 
@@ -103,16 +103,17 @@ def indexed_outputs(prefixes: list[str], dtype) -> Iterator[list[IndexedDatasetB
 
 
 def tokenize_into(items: Iterable[tuple[int, str]], tokenizer_path: str, prefixes: list[str], workers: int = 1,
-                  show_progress: bool = True, desc: str | None = None, total: int | None = None) -> list[dict]:
-    """Tokenize each (output, text) into ``prefixes[output]`` (`total`: how many, if known, for the
-    progress's ETA); returns per prefix
-    ``{"documents": n, "tokens": n}`` (tokens as written, EOD included)."""
+                  show_progress: bool = True, desc: str | None = None, total: int | None = None,
+                  done=None) -> list[dict]:
+    """Tokenize each (output, text) into ``prefixes[output]``; returns per prefix ``{"documents": n,
+    "tokens": n}`` (tokens as written, EOD included). The progress's ETA comes from `total` (how
+    many items, if known) or `done` (the share of the input read, ``Reading.fraction``)."""
     tokenizer = load_tokenizer(tokenizer_path)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     counts = [{"documents": 0, "tokens": 0} for _ in prefixes]
     with indexed_outputs(prefixes, dtype) as builders:
         encoded = progress(_encoded(items, tokenizer, dtype, workers), desc or os.path.basename(prefixes[0]),
-                           show_progress, total, tokens=lambda item: item[1].size)
+                           show_progress, total, tokens=lambda item: item[1].size, done=done)
         for output, ids in encoded:
             builders[output].add_document(ids, [ids.size])
             counts[output]["documents"] += 1
@@ -133,7 +134,7 @@ def preprocess(
     """Tokenize the documents of `inputs` (paths, or ``documents.Source``s) into
     `output_prefix`.bin/.idx; returns ``{"documents": n, "tokens": n}`` (tokens as written, EOD
     included) and, when records were skipped, ``"skipped"`` by kind."""
-    bad = BadRecords(skip_bad_records)
-    texts = ((0, doc.text) for doc in iter_documents(inputs, json_key, split, bad))
-    [counts] = tokenize_into(texts, tokenizer_path, [output_prefix], workers, show_progress)
+    bad, reading = BadRecords(skip_bad_records), Reading()
+    texts = ((0, doc.text) for doc in iter_documents(inputs, json_key, split, bad, reading))
+    [counts] = tokenize_into(texts, tokenizer_path, [output_prefix], workers, show_progress, done=reading.fraction)
     return {**counts, "skipped": dict(bad.counts)} if bad.skipped else counts

@@ -32,6 +32,26 @@ passes are virtual chunks of megatron's interleaved schedule: rank r holds up to
 schedule's warmup count, not measured here. Transient buffers (a GEMM's output before it is saved,
 the logits' gradient, communication buffers, allocator fragmentation) are not counted: keep some
 headroom (the planner refuses at 100% of the GPU's memory and warns above 90%).
+
+A process on CPU (no GPU: the rehearsal, the tests) holds everything in its RSS, and three terms more,
+measured with a sampler of RSS and the main thread's stack on fbt-1b at full width and vocabulary
+(2, 6 and 12 layers, 256 tokens, NorMuon + Adam, FP32; docs/planning.md):
+
+* **runtime**: the interpreter, torch and megatron-core (0.4 GiB before the model is built) and what
+  the allocator keeps after the first step (≈ 0.3 GiB): ``RUNTIME`` bytes;
+* **transients**: the larger of 2 · 4·V·D/TP on a stage that holds the embedding and, with NorMuon,
+  5 · 4 bytes of its largest matrix (whole: NorMuon gathers TP shards). Without Transformer Engine's
+  gradient-accumulation fusion the tied output layer's weight gradient is a tensor of its own, held by
+  autograd until the embedding's gradient arrives at the end of backward (and that one is dense); in
+  the optimizer step torch's single-tensor Adam makes two temporaries the size of its largest tensor,
+  the embedding, and NorMuon about five of a matrix (the Nesterov update, the Newton–Schulz iterate,
+  the normalised and the scaled direction, the QKV join);
+* **checkpoint copies** (``--async-save``): megatron-core's writer clones the CPU tensors that are
+  views (the distributed optimizer's FP32 views of the weights and the model's split QKV/FC1 views),
+  together the size of the stage's weights but the embedding, held until the save is finalized after
+  the next step. A blocking save frees them before the next step: it counts only what they exceed the
+  step's activations and transients by (its peak is the larger of the step's and the save's). On a
+  GPU they are host memory.
 """
 
 from __future__ import annotations
@@ -56,6 +76,11 @@ class Layout:
     distributed_optimizer: bool = True
     half: bool = False  # bf16/fp16 weights and activations
     transformer_engine: bool = False  # TE spec (GPU): flash attention, norms that keep half-precision inputs
+    cpu: bool = False  # a process on CPU: its RSS holds the process terms below (module docstring)
+    async_save: bool = False
+
+
+RUNTIME = 0.7 * 2**30  # bytes of a CPU process's interpreter, libraries and allocator (module docstring)
 
 
 @dataclass
@@ -67,6 +92,8 @@ class Stage:
     params: int
     matrix_params: int  # 2-D weights NorMuon would update (decoder and fusion matrices)
     matrix_rows: int  # their output rows (NorMuon's second moment)
+    embedding_params: int  # the word embedding's (or the tied output layer's) on this rank
+    largest_matrix: int  # the largest of the matrices, whole (NorMuon orthogonalises it gathered)
     first: bool
     last: bool
 
@@ -152,7 +179,27 @@ def activations(config, layout: Layout, stage: Stage, passes: int) -> Estimate:
     return Estimate({"activations": total}, logits=logits * held_logits)
 
 
+def process_bytes(stage: Stage, layout: Layout) -> Dict[str, float]:
+    """What a training process on CPU holds besides its tensors (module docstring); none on a GPU."""
+    if not layout.cpu:
+        return {}
+    normuon = 5 * 4 * stage.largest_matrix if layout.optimizer == "normuon" else 0
+    return {"runtime": RUNTIME, "transients": max(2 * 4 * stage.embedding_params, normuon)}
+
+
+def checkpoint_copies(stage: Stage, layout: Layout, step_peak: float) -> Dict[str, float]:
+    """The async writer's copies on CPU (module docstring): all of them beside the step's ``step_peak``
+    (activations and transients) with ``--async-save``, what they exceed it by with a blocking save."""
+    if not layout.cpu:
+        return {}
+    copies = ((2 if layout.half else 4) + 4) / 2 * (stage.params - stage.embedding_params)
+    return {"checkpoint copies": copies if layout.async_save else max(0.0, copies - step_peak)}
+
+
 def estimate(config, layout: Layout, stage: Stage, passes: int) -> Estimate:
     """All terms of a stage's rank at a step of ``passes`` passes."""
     act = activations(config, layout, stage, passes)
-    return Estimate({**state_bytes(stage, layout), **act.terms}, logits=act.logits, stage=stage.rank)
+    process = process_bytes(stage, layout)
+    step_peak = act.terms["activations"] + process.get("transients", 0.0)
+    terms = {**state_bytes(stage, layout), **act.terms, **process, **checkpoint_copies(stage, layout, step_peak)}
+    return Estimate(terms, logits=act.logits, stage=stage.rank)

@@ -102,8 +102,8 @@ def stages(model, recipe: Recipe) -> List[memory.Stage]:
         raise RecipeError(f"parallel.pipeline_model_parallel_size {pp} does not divide the {layers} layers")
     sharded = {name for name, module in model.named_modules()
                if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))}
-    out = [memory.Stage(rank=r, layers=layers // pp, params=0, matrix_params=0, matrix_rows=0, first=r == 0, last=r == pp - 1)
-           for r in range(pp)]
+    out = [memory.Stage(rank=r, layers=layers // pp, params=0, matrix_params=0, matrix_rows=0, embedding_params=0,
+                        largest_matrix=0, first=r == 0, last=r == pp - 1) for r in range(pp)]
     for name, param in model.named_parameters():
         module = name.rsplit(".", 1)[0]
         count = param.numel() // tp if module in sharded else param.numel()
@@ -120,9 +120,12 @@ def stages(model, recipe: Recipe) -> List[memory.Stage]:
         matrix = param.dim() == 2 and not name.startswith("embedding.") and not headwise_gate
         for stage in owners:
             stage.params += count
+            if name.startswith("embedding.word_embeddings") or name.startswith("output_layer."):
+                stage.embedding_params += count
             if matrix:
                 stage.matrix_params += count
                 stage.matrix_rows += rows
+                stage.largest_matrix = max(stage.largest_matrix, param.numel())
     return out
 
 
@@ -168,7 +171,8 @@ def make_plan(recipe: Recipe, world_size: int, gpu: Optional[GPU] = None, gpu_me
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size, dp=dp,
         sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size, seq_length=recipe.data.seq_length,
         microbatches=microbatches, optimizer=o.optimizer, distributed_optimizer=p.use_distributed_optimizer,
-        half=o.bf16 or o.fp16, transformer_engine=te,
+        half=o.bf16 or o.fp16, transformer_engine=te, cpu=gpu is None and gpu_memory_gb is None,
+        async_save=recipe.checkpoint.async_save,
     )
     schedule = pass_schedule(recipe)
     steps_per_k = {k: n for k, n in sorted(schedule.expected_passes(t.train_iters).items()) if n > 0}

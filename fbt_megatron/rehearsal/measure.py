@@ -3,7 +3,8 @@
 The child's output goes to ``<stage>.log`` with each line's arrival time (seconds since the start),
 so a stage's phases can be timed from its own log lines. Memory is sampled every ``INTERVAL``
 seconds over the child's whole process tree (torchrun's workers, megatron's background savers):
-the largest single process's RSS (what the planner estimates per rank) and the largest sum (which
+the largest single process's peak RSS (the kernel's high-water mark ``VmHWM``, so a peak between two
+samples is not missed; what the planner estimates per rank) and the largest sum of RSS (which
 counts the pages a forked child shares with its parent, e.g. megatron's async-save workers, in each). CPU
 time is the children's user + system time (``getrusage``): unlike wall time, it hardly depends on
 what else the machine runs.
@@ -62,15 +63,25 @@ class _Sampler(threading.Thread):
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
                 break
-            sizes = []
+            sizes, peaks = [], []
             for p in procs:
                 try:
                     sizes.append(p.memory_info().rss)
-                except psutil.Error:
+                    peaks.append(_peak_rss(p.pid) or sizes[-1])
+                except (psutil.Error, OSError):
                     pass
             if sizes:
-                self.max_process, self.max_tree = max(self.max_process, max(sizes)), max(self.max_tree, sum(sizes))
+                self.max_process, self.max_tree = max(self.max_process, *peaks), max(self.max_tree, sum(sizes))
             self.done.wait(INTERVAL)
+
+
+def _peak_rss(pid: int) -> int:
+    """A process's peak RSS so far in bytes (``VmHWM`` of /proc/PID/status; 0 where there is none)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def run_stage(name: str, command: List, log: Path, cwd: Path, env: Optional[dict] = None,

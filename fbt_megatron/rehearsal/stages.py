@@ -1,7 +1,7 @@
 """The rehearsal's stages, in order, each a run of a real entry point (``measure.run_stage``).
 
 1. ``train``: training from scratch, step 1 at k = 1, step 2 at k = 3 (``--recompute-passes true``),
-   the recipe's optimizer, a checkpoint after every step written in the background (``--async-save``);
+   the recipe's optimizer, a checkpoint after every step (``--async-save`` where the budget holds it, ``fit``);
 2. ``resume``: from the step-1 checkpoint, step 2 again: its losses must equal ``train``'s bit for bit;
 3. ``reshard``: the same from the step-1 checkpoint at TP ``reshard_tp`` (torchrun, one process per
    rank): step 2's losses equal ``train``'s to float32 summation order;
@@ -11,10 +11,12 @@
 7. ``generate``: megatron's ``generate`` of the imported run in each mode: the same tokens as ``hf``;
 8. ``vllm``: the export served by vLLM's CPU engine, when ``.venv-serve`` has it (else skipped).
 
-The planner's estimate (``fbt_megatron.plan``) of the training ranks' memory is set against the
-largest process RSS measured. The model's size is the recipe's (``--num-layers`` fewer layers at the
-same width where the machine cannot hold it); the vocabulary is the preset's, the corpus's
-sentencepiece widened to it (``vocabulary.py``); the data are the embedded corpus.
+The planner's estimate (``fbt_megatron.plan``, with a CPU process's terms) of the training ranks'
+memory is set against the largest process RSS measured, and decides what fits the memory budget
+(``fit``): the recipe's layers with async saves, else with blocking saves (the async writer's copies
+outlive the save into step 2 on CPU), else the most layers that fit at the same width; ``--num-layers``
+is kept as asked. The vocabulary is the preset's, the corpus's sentencepiece widened to it
+(``vocabulary.py``); the data are the embedded corpus.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from fbt_megatron.rehearsal import checks
-from fbt_megatron.rehearsal.measure import Measured, run_stage
+from fbt_megatron.rehearsal.measure import GiB, Measured, run_stage
 from fbt_megatron.rehearsal.report import Report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,13 +37,15 @@ PASSES = "[{start: 0.0, passes: 1}, {start: 0.5, passes: 3}]"  # 2 steps: k = 1,
 MODES = ("standard", "soft", "fused:2")
 PROMPT = "def main(argv=None):\n    "
 CORPUS_VOCAB = 2048
+FIT_MARGIN = 1.1  # the planner's CPU estimate has been within 7% of the measured RSS (docs/planning.md)
 
 
 @dataclass
 class Options:
     recipe: str
     output: Path
-    num_layers: Optional[int] = None  # None: the recipe's
+    num_layers: Optional[int] = None  # None: the recipe's, or the most that fit memory_budget_gib
+    memory_budget_gib: float = 11.5  # one training process on CPU: 21 GB less the save's forked writers (docs/planning.md)
     seq_length: int = 256
     vocab_size: Optional[int] = None  # None: the preset's; the tokenizer is widened to it
     data_path: str = "data/stdlib-sp2048"
@@ -89,9 +93,8 @@ class Rehearsal:
                  "--tensor-model-parallel-size", 1, "--pipeline-model-parallel-size", 1, "--sequence-parallel", "false",
                  "--bf16", "false", "--data-path", o.data_path, "--corpus", "null", "--train-data-path", "null",
                  "--tokenizer-model", self.tokenizer, "--vocab-size", self.vocab, "--pass-phases", PASSES,
-                 "--recompute-passes", "true", "--save-interval", 1, "--async-save", "true", "--threads", o.threads]
-        if o.num_layers:
-            flags += ["--num-layers", o.num_layers]
+                 "--recompute-passes", "true", "--save-interval", 1, "--async-save", str(self.async_save).lower(),
+                 "--threads", o.threads, "--num-layers", self.layers]
         return [*flags, *o.train_flags]
 
     # ------------------------------------------------------------ the stages
@@ -100,6 +103,7 @@ class Rehearsal:
         (self.out / "logs").mkdir(exist_ok=True)
         try:
             self.prepare()
+            self.fit()
             self.plan()
             self.training()
             self.hugging_face()
@@ -132,17 +136,47 @@ class Rehearsal:
 
         return flags.parse(["--recipe", self.o.recipe], prog="rehearse", description="").model.preset
 
+    def make_plan(self, world: int, tp: Optional[int] = None):
+        """The planner's plan of the training flags as they stand (``tp``: the reshard stage's)."""
+        from fbt_megatron import flags
+        from fbt_megatron.plan.planner import make_plan
+
+        argv = [str(x) for x in self.train_flags()] + (["--tensor-model-parallel-size", str(tp)] if tp else [])
+        return make_plan(flags.parse(argv, prog="rehearse", description=""), world, transformer_engine=False)
+
+    def fit(self) -> None:
+        """The layers and the saves the memory budget holds (module docstring), said in one figure."""
+        import torch
+
+        from fbt_megatron.config import make_config
+
+        full = make_config(self.recipe_preset()).num_layers
+        self.layers, self.async_save = self.o.num_layers or full, True
+        budget, world = self.o.memory_budget_gib * GiB, self.o.nproc_per_node
+        if torch.cuda.is_available():  # a GPU node's pre-flight: its memory is the GPU's, planned by train --dry-run
+            return
+        tried = []
+        for layers, async_save in [(self.layers, True), *[(n, False) for n in range(self.layers, 0, -1)]]:
+            self.layers, self.async_save = layers, async_save
+            plan = self.make_plan(world)
+            need = plan.memory[plan.chosen].total
+            tried.append(f"{layers} layer{'s' if layers > 1 else ''} with {'async' if async_save else 'blocking'} saves {need / GiB:.2f} GiB")
+            if need * FIT_MARGIN <= budget or self.o.num_layers and not async_save:
+                break
+        fits = need * FIT_MARGIN <= budget
+        self.report.figure("layers and saves rehearsed", self.layers, f"of {full} layers",
+                           f"{'async' if self.async_save else 'blocking'} saves; the planner per process: "
+                           + " > ".join(tried if len(tried) < 4 else [*tried[:2], "…", tried[-1]]) + f" (× {FIT_MARGIN} margin vs the budget {self.o.memory_budget_gib} GiB"
+                           + ("" if fits else ": does not fit; run anyway") + ")")
+
     def plan(self) -> None:
         """The planner's memory per training rank, for the train stage's and the reshard stage's layouts."""
-        from fbt_megatron import flags
-        from fbt_megatron.plan.planner import format_plan, make_plan
+        from fbt_megatron.plan.planner import format_plan
 
         self.planned = {}
         texts = []
         for stage, world, tp in (("train", self.o.nproc_per_node, None), ("reshard", self.o.reshard_tp, self.o.reshard_tp)):
-            argv = [str(x) for x in self.train_flags()] + (["--tensor-model-parallel-size", str(tp)] if tp else [])
-            plan = make_plan(flags.parse(argv, prog="rehearse", description=""), world, transformer_engine=False)
-            self.planned[stage] = plan
+            plan = self.planned[stage] = self.make_plan(world, tp)
             texts.append(f"# {stage}: {world} process(es)\n{format_plan(plan)}\n")
         (self.out / "plan.txt").write_text("\n".join(texts))
         self.report.planner(self.planned["train"])

@@ -6,9 +6,9 @@ export's defaults that requests fall back to.
 
 * refuses, in one line, what the fed-back state does not support: speculative decoding, pipeline
   parallelism, the GPU "model runner V2" (``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1 runner the
-  hooks are written for), CUDA graphs (``--enforce-eager``: a step's number of passes is data) and,
-  on CPU, a head dimension vLLM's CPU attention does not take (the engine would die on the first
-  request);
+  hooks are written for), CUDA graphs unless ``FBT_VLLM_CUDA_GRAPHS=1`` (the one-pass step is written
+  to be captured, but has never run on a GPU) and, on CPU, a head dimension vLLM's CPU attention does
+  not take (the engine would die on the first request);
 * adds ``requests.FBTRequests`` to the engine's logits processors (the per-request admission);
 * records the export's defaults (``decode_mode``, ``fused_prefill_passes`` of config.json or
   ``--hf-overrides``) for that admission, which runs in the same process.
@@ -22,6 +22,9 @@ from typing import Optional
 from fbt_megatron.decode_modes import config_mode
 
 REQUESTS = "fbt_megatron.serving.requests:FBTRequests"
+# The one setting that lets vLLM capture CUDA graphs of an FBT model (docs/serving.md, "The GPU path"):
+# off until a GPU test exists.
+CUDA_GRAPHS = "FBT_VLLM_CUDA_GRAPHS"
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,16 @@ def refusal(vllm_config) -> Optional[str]:
     if vllm_config.use_v2_model_runner:
         return ("FBT's fed-back state hooks vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0 "
                 "(docs/serving.md says what model runner V2 needs)")
+    import os
+
+    from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
-    if current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
-        return "FBT steps run a data-dependent number of passes: start the engine with --enforce-eager on GPUs"
+    graphs = (not vllm_config.model_config.enforce_eager
+              and vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE)
+    if current_platform.is_cuda_alike() and graphs and os.environ.get(CUDA_GRAPHS) != "1":
+        return (f"CUDA graphs of an FBT model have not run on a GPU yet: start the engine with --enforce-eager, "
+                f"or set {CUDA_GRAPHS}=1 to capture its one-pass step (docs/serving.md, 'The GPU path')")
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

@@ -8,7 +8,19 @@ SwiGLU MLP, the final norm and the tied embedding. The FBT fusion
     u_t = RMSNorm(W_U s_{t-1} ⊙ sigmoid(W_G e_t))
 
 takes s_{t-1} from the persistent state buffer or from the previous pass of the same step, as the
-step's plan says (``state``). Without a plan (vLLM's profile and dummy runs) a step is one plain pass.
+step's plan says (``state``).
+
+A pass is ``FBTModel.forward``, compiled by vLLM (``support_torch_compile``; its default on CPU, off
+with ``enforce_eager``): the same tensor program for every step, whatever its requests are. Every
+token's input is ``where(reads, fuse(carried, e_t), e_t)`` and every token's top state is written to
+its slot (scratch for all but a soft/fused request's last token), through the state's index tensors
+at fixed addresses, with nothing data-dependent in Python: what CUDA graphs can capture per batch
+size. Standard tokens pay for a fusion they discard (two D×D products each). A step's plan says how
+many passes it runs (``FBTForCausalLM.forward``, outside the graph): one in decode steps and plain
+prefills; n + 1 for a fused(n) prompt, more for chained decoded positions, each pass after the first
+preceded by the carry of the previous pass's top states (``FeedbackState.carry``, a few tensor ops).
+vLLM's profile, dummy and warm-up runs (which compile the pass) find the index tensors neutral, so
+they read and write scratch only.
 
 Weights load from the export's safetensors names. Three different weights are called ``gate_proj``:
 ``self_attn.gate_proj`` (the headwise gate), ``mlp.gate_proj`` (SwiGLU's gate, stacked with
@@ -21,6 +33,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import SiluAndMul
@@ -149,6 +162,8 @@ class FBTFeedbackFusion(nn.Module):
         return self.fuse(carried, self.gate(embeddings))
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
+                                         "inputs_embeds": 0})
 class FBTModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -160,7 +175,29 @@ class FBTModel(nn.Module):
             FBTDecoderLayer(config, i, cache_config, quant_config, f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.feedback = FBTFeedbackFusion(config, f"{prefix}.feedback") if config.latent_feedback else None
+        self.feedback = self.feedback_state = None
+        if config.latent_feedback:
+            scheduler = vllm_config.scheduler_config
+            self.feedback = FBTFeedbackFusion(config, f"{prefix}.feedback")
+            self.feedback_state = FeedbackState(
+                scheduler.max_num_seqs, scheduler.max_num_batched_tokens, config.hidden_size,
+                vllm_config.model_config.dtype, torch.device(vllm_config.device_config.device))
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None):
+        """One pass over the step's tokens (the module docstring): RMSNorm_final(h_L), and for FBT
+        also the top states (after writing them to their slots)."""
+        e = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        state = self.feedback_state
+        if state is None:  # a baseline export
+            return self.stack(positions, e)[1]
+        n = e.shape[0]
+        x = torch.where(state.token_reads[:n], self.feedback(state.carried[:n], e), e)
+        hidden, normed = self.stack(positions, x)
+        top = self.top_state(hidden, normed)
+        state.write(top)
+        return normed, top
 
     def stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass: inputs → (h_L, RMSNorm_final(h_L))."""
@@ -186,12 +223,7 @@ class FBTForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.feedback_state = None
-        if config.latent_feedback:
-            scheduler = vllm_config.scheduler_config
-            self.feedback_state = FeedbackState(
-                scheduler.max_num_seqs, scheduler.max_num_batched_tokens, config.hidden_size,
-                vllm_config.model_config.dtype, torch.device(vllm_config.device_config.device))
+        self.feedback_state = self.model.feedback_state
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -199,30 +231,15 @@ class FBTForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        e = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         state = self.feedback_state
-        plan = state.plan if state is not None else None
-        if plan is None:  # profile / dummy runs, baselines: one plain pass
-            return self.model.stack(positions, e)[1]
-        fusion = self.model.feedback
-        n = plan.num_tokens
-        x = e
-        if plan.any_buffer:  # decoded positions after an earlier step: fuse(buffer[slot], e_t)
-            carried = state.buffer.index_select(0, state.token_slot[:n])
-            if plan.all_read and n == e.shape[0]:  # a pure decode step
-                x = fusion(carried, e)
-            else:
-                x = torch.cat([torch.where(state.token_reads[:n], fusion(carried, e[:n]), e[:n]), e[n:]])
-        if plan.passes > 1:  # the fused tokens' gates, once for all passes
-            gates = fusion.gate(e.index_select(0, plan.fuse_index))
-        for j in range(1, plan.passes + 1):
-            if j > 1:  # u_t = fuse(s^{(j-1)}_{t-1}, e_t) where the plan still fuses at pass j
-                keep = plan.fuse_until >= j
-                index = plan.fuse_index[keep]
-                x = x.index_copy(0, index, fusion.fuse(top.index_select(0, index - 1), gates[keep]))
-            hidden, normed = self.model.stack(positions, x)
-            top = self.model.top_state(hidden, normed)
-        state.write_back(top)
+        if state is None:
+            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        plan = state.plan  # None in profile / dummy runs: one pass, the index tensors neutral
+        state.gather(positions.shape[-1])
+        for j in range(1, (plan.passes if plan is not None else 1) + 1):
+            if j > 1:
+                state.carry(top, plan, j)
+            normed, top = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         return normed
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

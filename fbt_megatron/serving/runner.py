@@ -8,7 +8,7 @@ an FBT model its step's requests. Installed once per process by the plugin; mode
 * ``_model_forward`` (real steps only: profile and dummy runs call the model directly): the plan of
   the step from the persistent batch (request ids in row order, ``query_start_loc``, computed
   tokens, prompt lengths, each request's ``SamplingParams.extra_args``), set on the model for the
-  forward and cleared after it.
+  forward and cleared after it (``FeedbackState.finish``: the index tensors neutral again).
 
 On GPUs vLLM 0.32 defaults to "model runner V2", whose per-request hook is the model's
 ``get_model_state_cls()``; the engine refuses it for FBT (``engine``) until that is written.
@@ -81,7 +81,7 @@ def install() -> None:
         try:
             return model_forward(self, *args, **kwargs)
         finally:
-            state.plan = None
+            state.finish()
 
     GPUModelRunner.execute_model = execute_model_hook
     GPUModelRunner._model_forward = model_forward_hook

@@ -2,10 +2,14 @@
 
 The model keeps ``buffer`` [slots, hidden]: row ``s`` holds the top state of the latest computed
 position of the request that owns slot ``s`` (the EAGLE/MTP pattern of the paper's appendix D). The
-buffer and the per-token index tensors are allocated once (their addresses never change). Slot 0 is
-scratch: rows of standard requests write there. A request takes a slot at its first step in a
-soft/fused mode and gives it back when it finishes, is aborted or is preempted (a preempted request
-comes back as one prefill from position 0, so its state is recomputed).
+buffer, ``carried`` [tokens, hidden] (each token's fed-back state in the current pass) and the
+per-token index tensors are allocated once (their addresses never change). Slot 0 is scratch:
+every token that is not the last of a soft/fused request writes there. Per token of a step,
+``token_slot`` says which slot it takes its state from before pass 1, ``token_reads`` whether its
+input is fused, ``token_write`` which slot its top state goes to. A pass is then the same tensor
+program for every step whatever its requests are (the compiled step, ``model``); a forward outside
+the plan (vLLM's profile and dummy runs, CUDA-graph capture) finds them neutral (no reads, every
+write to scratch): ``finish`` restores that after each step.
 
 A step's packed tokens are grouped by request (``query_start_loc``). Per token (position t of a
 request with prompt length p, first position of the step t0):
@@ -51,12 +55,9 @@ class Row:
 class StepPlan:
     num_tokens: int
     passes: int
-    any_buffer: bool  # some token reads the buffer in pass 1
-    all_read: bool  # every token does (a pure decode step of soft/fused requests)
     fuse_until: Optional[torch.Tensor]  # [chained/fused-prompt tokens] pass limits (None: single pass)
     fuse_index: Optional[torch.Tensor]  # [the same tokens] their indices
-    write_rows: int  # rows whose states are written back (0: no soft/fused request in the step)
-    one_token_per_row: bool  # row i is token i
+    feedback: bool  # some row is soft/fused (the index tensors were filled)
 
 
 class FeedbackState:
@@ -66,12 +67,13 @@ class FeedbackState:
         self.slots = max_num_seqs + 1  # + the scratch slot 0
         device = torch.device(device)
         self.buffer = torch.zeros(self.slots, hidden_size, dtype=dtype, device=device)
-        # per token of a step: the slot it reads in pass 1, and whether it does; per row: the slot
-        # written after the step, from which token. Filled on the host each step; on CPU the
-        # tensors share the host arrays' memory (no copy), elsewhere they are copied over.
+        self.carried = torch.zeros(max_num_tokens, hidden_size, dtype=dtype, device=device)
+        # per token of a step: the slot it reads in pass 1, whether it does, the slot its top state
+        # is written to (0: scratch). Filled on the host each step; on CPU the tensors share the host
+        # arrays' memory (no copy), elsewhere they are copied over.
         self._host = dict(token_slot=np.zeros(max_num_tokens, dtype=np.int64),
                           token_reads=np.zeros((max_num_tokens, 1), dtype=bool),
-                          row_slot=np.zeros(max_num_seqs, dtype=np.int64), row_last=np.zeros(max_num_seqs, dtype=np.int64))
+                          token_write=np.zeros(max_num_tokens, dtype=np.int64))
         self._shared = device.type == "cpu"
         for name, array in self._host.items():
             setattr(self, name, torch.from_numpy(array) if self._shared else torch.empty_like(torch.from_numpy(array), device=device))
@@ -109,20 +111,18 @@ class FeedbackState:
         """Fill the step's index tensors and return its plan."""
         num_tokens = rows[-1].end if rows else 0
         host = self._host
-        token_reads, row_slot, row_last = host["token_reads"], host["row_slot"], host["row_last"]
-        host["token_slot"][:num_tokens] = 0
-        token_reads[:num_tokens] = False
-        row_slot[: len(rows)] = 0
+        token_reads, token_write = host["token_reads"], host["token_write"]
+        for array in host.values():  # neutral already after ``finish``; kept so after a failed step
+            array[:num_tokens] = 0
         fuse_index: List[np.ndarray] = []
         fuse_until: List[np.ndarray] = []
         passes, feedback = 1, False
-        for i, row in enumerate(rows):
-            row_last[i] = row.end - 1
+        for row in rows:
             if not row.mode.feedback:
                 continue
             feedback = True
             slot = self._slot(row.req_id)
-            row_slot[i] = slot
+            token_write[row.end - 1] = slot
             p, t0, count = row.prompt_length, row.first_position, row.end - row.start
             if count == 1 and t0 >= p and t0 >= 1:  # a decode step's one position: fuse(buffer[slot], e_t)
                 self._read_buffer(row, slot)
@@ -149,22 +149,29 @@ class FeedbackState:
                 fuse_until.append(np.full(len(chained), UNBOUNDED))
             passes = max(passes, base + len(chained))
             self._position[slot] = t0 + count - 1
-        reads = token_reads[:num_tokens]
-        any_buffer = bool(reads.any())
         if feedback and not self._shared:
-            for name, n in (("token_slot", num_tokens), ("token_reads", num_tokens), ("row_slot", len(rows)),
-                            ("row_last", len(rows))):
-                getattr(self, name)[:n].copy_(torch.from_numpy(host[name][:n]), non_blocking=True)
+            for name in ("token_slot", "token_reads", "token_write"):
+                getattr(self, name)[:num_tokens].copy_(torch.from_numpy(host[name][:num_tokens]), non_blocking=True)
         index = until = None
         if fuse_index:
             device = self.buffer.device
             index = torch.from_numpy(np.concatenate(fuse_index)).to(device)
             until = torch.from_numpy(np.concatenate(fuse_until)).to(device)
-        self.plan = StepPlan(num_tokens, passes, any_buffer, any_buffer and bool(reads.all()), until, index,
-                             len(rows) if feedback else 0, num_tokens == len(rows))
+        self.plan = StepPlan(num_tokens, passes, until, index, feedback)
         self.stats["steps"] += 1
         self.stats["max_passes"] = max(self.stats["max_passes"], passes)
         return self.plan
+
+    def finish(self) -> None:
+        """After the step: the index tensors neutral again (no reads, writes to scratch) and no plan."""
+        plan, self.plan = self.plan, None
+        if plan is None or not plan.feedback:
+            return
+        n = plan.num_tokens
+        for name in ("token_slot", "token_reads", "token_write"):
+            self._host[name][:n] = 0
+            if not self._shared:
+                getattr(self, name)[:n].zero_()
 
     def _read_buffer(self, row: Row, slot: int) -> None:
         """The row's first token takes fuse(buffer[slot], e_t): the slot must hold the state of the
@@ -176,18 +183,26 @@ class FeedbackState:
         self._host["token_slot"][row.start] = slot
         self._host["token_reads"][row.start] = True
 
-    def write_back(self, top: torch.Tensor) -> None:
-        """After the step: every soft/fused row's last top state into its slot (standard rows of the
-        same step: the scratch slot); nothing when the step has no soft/fused request."""
-        rows = self.plan.write_rows
-        if not rows:
-            return
-        last = top[:rows] if self.plan.one_token_per_row else top[self.row_last[:rows]]
-        self.buffer.index_copy_(0, self.row_slot[:rows], last.to(self.buffer.dtype))
+    def gather(self, num_tokens: int) -> None:
+        """Before pass 1: every token's fed-back state from its slot (scratch's where it reads none)."""
+        torch.index_select(self.buffer, 0, self.token_slot[:num_tokens], out=self.carried[:num_tokens])
+
+    def carry(self, top: torch.Tensor, plan: StepPlan, j: int) -> None:
+        """Before pass j > 1: the tokens the plan still fuses at pass j take s^{(j-1)}_{t-1}, the top
+        state of the previous position in pass j - 1; the others keep their input."""
+        index = plan.fuse_index[plan.fuse_until >= j]
+        self.carried.index_copy_(0, index, top.index_select(0, index - 1))
+        self.token_reads[index] = True
+
+    def write(self, top: torch.Tensor) -> None:
+        """Every token's top state into its ``token_write`` slot: each soft/fused row's last token into
+        the row's slot, all others into scratch (the order among those is immaterial)."""
+        self.buffer.index_copy_(0, self.token_write[: top.shape[0]], top.to(self.buffer.dtype))
 
 
 def summary(model) -> dict:
     """The state buffer of a served model at a glance, for ``LLM.apply_model(summary)``: slots in
-    use, the buffer's shape and address, and the step counters."""
+    use, the buffer's shape and address, the step counters, and whether vLLM compiles the pass."""
     s = model.feedback_state
-    return {"in_use": s.in_use, "shape": tuple(s.buffer.shape), "address": s.buffer.data_ptr(), **s.stats}
+    return {"in_use": s.in_use, "shape": tuple(s.buffer.shape), "address": s.buffer.data_ptr(), **s.stats,
+            "compiled": not getattr(model.model, "do_not_compile", True)}

@@ -31,6 +31,7 @@ def parse_time(text: str) -> int:
     return total
 
 
+SERVE_CPU_KV_CACHE = "1G"  # vllm serve's KV cache on a CPU node (docs/serving.md's serve line)
 CPUS_PER_GPU = 8  # CPUs per GPU of a one-task job (export + evaluation, serving) without --cpus-per-task
 
 
@@ -160,11 +161,14 @@ def export_eval_script(name: str, models: List[Path], exports: Path, results: Pa
 def serve_script(name: str, export: Path, port: int, serve_args: List[str], res: Resources, workdir: Path,
                  python: str) -> str:
     """A job of ``vllm serve EXPORT`` (this package's vLLM plugin) on one node until its time limit:
-    the ``vllm`` beside this Python, or the container's."""
+    the ``vllm`` beside this Python, or the container's. On GPUs eager (no CUDA graphs, docs/serving.md);
+    on a CPU node (``--gpus 0``) compiled, with a KV cache of ``SERVE_CPU_KV_CACHE`` (vLLM's CPU backend
+    would reserve 92% of the node's RAM; a ``--kv-cache-memory-bytes`` after ``--`` wins)."""
     vllm = "vllm" if res.container_image else shlex.quote(str(Path(python).with_name("vllm")))
+    engine_args = "--enforce-eager" if res.gpus_per_node else f"--kv-cache-memory-bytes {SERVE_CPU_KV_CACHE}"
     return render(
         "serve.sbatch", name=name, time=res.time, log_dir=shlex.quote(str(res.log_dir)),
         sbatch_options=res.one_task_options(), workdir=shlex.quote(str(workdir)), container=res.container(workdir),
         environment=res.exports(), repository=shlex.quote(str(REPOSITORY)), vllm=vllm, export=shlex.quote(str(export)),
-        port=port, serve_args=quoted(serve_args),
+        port=port, engine_args=engine_args, serve_args=quoted(serve_args),
     )

@@ -59,10 +59,15 @@ def progress(total: int, desc: str, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
 
 
+class Seconds(float):
+    """What a step of ``time_rounds`` returns when it timed itself (a child process's own clock)."""
+
+
 def time_rounds(steps: Dict[str, Callable[[], None]], rounds: int, progress) -> Dict[str, List[float]]:
     """Seconds of each step in each of `rounds` rounds. Every round runs every step once, in an
     order rotated by one each round (ABC, BCA, CAB, …), so slow drift and position effects fall
-    on all of them alike. Garbage collection runs before, never during, a timed step."""
+    on all of them alike. Garbage collection runs before, never during, a timed step. A step that
+    returns ``Seconds`` returns the time it measured itself (another process's own timing)."""
     names = list(steps)
     times = {name: [] for name in names}
     for r in range(rounds):
@@ -72,8 +77,8 @@ def time_rounds(steps: Dict[str, Callable[[], None]], rounds: int, progress) -> 
             gc.disable()
             try:
                 start = time.perf_counter()
-                steps[name]()
-                times[name].append(time.perf_counter() - start)
+                measured = steps[name]()
+                times[name].append(measured if isinstance(measured, Seconds) else time.perf_counter() - start)
             finally:
                 gc.enable()
             progress.update()

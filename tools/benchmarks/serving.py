@@ -1,19 +1,24 @@
 """Serving an FBT export with vLLM (``tools/benchmark.py --serving``; needs vLLM:
 ``pip install -r requirements-serve.txt`` or ``make serve-setup``, see docs/serving.md).
 
-  * decode throughput of soft against standard requests, ``--micro-batch-size`` (16) concurrent
-    requests of ``--prompt-length`` tokens decoding ``--new-tokens`` each (goal ≥ 0.97: the fusion
-    adds two D×D products and a norm per decoded token);
+  * decode throughput against vLLM's native Qwen3 of the same shape (hidden, layers, heads, head
+    dimension, FFN, vocabulary; random weights written locally, no download), ``--micro-batch-size``
+    (16) concurrent requests of ``--prompt-length`` tokens decoding ``--new-tokens`` each, with
+    vLLM's default compilation and with ``enforce_eager``: FBT standard (goal ≥ 0.95) and soft
+    (goal ≥ 0.92) output tokens/s over Qwen3's;
+  * decode throughput of soft against standard requests (goal ≥ 0.97: the fusion adds two D×D
+    products and a norm per decoded token);
   * prefill time of fused(n) against standard, 16 prompts of 256 tokens, one token generated
     (goal ≤ (n + 1) × 1.05: n more passes over the prompt);
-  * output tokens per second of vLLM against the HF export's ``generate`` (one request at a time,
-    ``--threads`` torch threads) for 32 requests of mixed lengths and modes (goal ≥ 5).
+  * output tokens per second of vLLM (compiled) against the HF export's ``generate`` (one request
+    at a time, ``--threads`` torch threads) for 32 requests of mixed lengths and modes (goal ≥ 5).
 
 The export is ``--export`` or a random one of the benchmark shape (the shape flags; ``--preset
-tiny``: 4 layers, hidden 256, FFN 768, head_dim 64) written to a temporary folder. One engine
-(float32, eager, chunked prefill and prefix caching off, 32 sequences) serves every variant;
-vLLM's CPU backend binds its own threads (one on 2 cores). Every round runs every variant once
-(interleaved); ratios are medians over rounds.
+tiny``: 4 layers, hidden 256, FFN 768, head_dim 64) written to a temporary folder. Every engine has
+the same settings (float32, chunked prefill and prefix caching off, 32 sequences, a 256 MiB KV
+cache); vLLM's CPU backend binds its own threads (one on 2 cores). Compiled engines first, then
+eager ones, one FBT and one Qwen3 engine at a time; within each, every round runs every variant
+once (interleaved); ratios are medians over rounds.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from .measure import Ratio, median_ratio, progress, settings, shape_overrides, t
 from .report import format_report as report
 
 FLAG = "--serving"
-HELP = "measure serving with vLLM instead: soft / standard decode, fused(n) / standard prefill, vLLM / HF generate"
+HELP = ("measure serving with vLLM instead: FBT / vLLM's Qwen3 decode (compiled, eager), soft / standard decode, "
+        "fused(n) / standard prefill, vLLM / HF generate")
 DEFAULTS = dict(preset="tiny", micro_batch_size=16, repeats=7, warmup=1, prompt_length=32, new_tokens=64)
 
 # the shape with --preset tiny: the step benchmark's (head_dim 64: vLLM's CPU attention takes 32, 64, 80, …)
@@ -40,14 +46,20 @@ PREFILL = (16, 256)  # prompts × tokens
 MIXED = 32  # requests of the vLLM / HF comparison
 MIXED_NEW = 32  # tokens each
 MAX_MODEL_LEN = 512
+KV_CACHE_BYTES = 256 << 20  # per engine: 16 × 96 tokens need ~6 MiB at the benchmark shape
+COMPILATIONS = ("compiled", "eager")  # vLLM's default, enforce_eager
 
 RATIOS = [
-    Ratio("serving_decode_throughput_soft_vs_standard", "vLLM decode throughput, soft / standard", "decode",
-          "standard", "soft", (">=", 0.97)),
-    Ratio(f"serving_prefill_time_fused{FUSED_PASSES}_vs_standard", f"vLLM prefill time, fused({FUSED_PASSES}) / standard",
-          "prefill", "fused", "standard", ("<=", round((FUSED_PASSES + 1) * 1.05, 2))),
-    Ratio("serving_generate_vllm_vs_hf", "output tokens/s, vLLM / HF generate (32 mixed requests)", "generate",
-          "hf", "vllm", (">=", 5)),
+    *(Ratio(f"serving_decode_{mode}_vs_qwen3_{c}", f"decode output tokens/s, FBT {mode} / vLLM's Qwen3 ({c})",
+            f"decode-{c}", "qwen3", mode, (">=", goal)) for c in COMPILATIONS for mode, goal in (("standard", 0.95),
+                                                                                                  ("soft", 0.92))),
+    *(Ratio(f"serving_decode_throughput_soft_vs_standard_{c}", f"vLLM decode throughput, soft / standard ({c})",
+            f"decode-{c}", "standard", "soft", (">=", 0.97)) for c in COMPILATIONS),
+    *(Ratio(f"serving_prefill_time_fused{FUSED_PASSES}_vs_standard_{c}",
+            f"vLLM prefill time, fused({FUSED_PASSES}) / standard ({c})", f"prefill-{c}", "fused", "standard",
+            ("<=", round((FUSED_PASSES + 1) * 1.05, 2))) for c in COMPILATIONS),
+    Ratio("serving_generate_vllm_vs_hf", "output tokens/s, vLLM (compiled) / HF generate (32 mixed requests)",
+          "generate", "hf", "vllm", (">=", 5)),
 ]
 
 
@@ -74,26 +86,44 @@ def write_random_export(args, folder: Path) -> Path:
                         **{k: v for k, v in h.items() if k not in ("auto_map", "architectures", "model_type")})
 
 
+def write_qwen3(fbt_config, folder: Path, seed: int) -> Path:
+    """vLLM's native model of the FBT export's shape: a random Qwen3 (q/k RMSNorm, GQA, SwiGLU, tied
+    embeddings; global attention, no headwise gate, no sandwich norms, no fusion), saved locally."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    c = fbt_config
+    config = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                         max_position_embeddings=max(c.max_position_embeddings, MAX_MODEL_LEN),
+                         rope_theta=float(c.rope_theta), tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(folder)
+    return folder
+
+
 def measure(args) -> dict:
+    """The exports and engines in a temporary folder, removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="fbt-serving-bench-", ignore_cleanup_errors=True) as folder:
+        return _measure(args, Path(folder))
+
+
+def _measure(args, folder: Path) -> dict:
     if not available():
         raise ValueError("--serving needs vLLM, which this environment lacks: pip install -r requirements-serve.txt "
                          "(or make serve-setup; docs/serving.md)")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # vLLM's sampler compiles a logprob kernel with inductor
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    export = Path(args.export) if args.export else write_random_export(
-        args, Path(tempfile.mkdtemp(prefix="fbt-serving-bench-")) / "export")
-    print(f"starting vLLM on {export} …", file=sys.stderr, flush=True)
-    llm = LLM(model=str(export), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              enable_chunked_prefill=False, enable_prefix_caching=False,  # repeated prompts would skip standard prefills
-              max_num_seqs=32, max_model_len=MAX_MODEL_LEN, seed=args.seed)
+    export = Path(args.export) if args.export else write_random_export(args, folder / "export")
     hf = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
     config = hf.config
+    qwen3 = write_qwen3(config, folder / "qwen3", args.seed)
     modes = {"standard": {"decode_mode": "standard"}, "soft": {"decode_mode": "soft"},
              "fused": {"decode_mode": "fused", "fused_prefill_passes": FUSED_PASSES}}
 
@@ -101,8 +131,15 @@ def measure(args) -> dict:
         g = torch.Generator().manual_seed(args.seed + seed)
         return [torch.randint(4, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
-    def vllm_generate(batch, names, max_tokens):
-        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=modes[m]) for m in names]
+    def engine(model, compilation):
+        print(f"starting vLLM ({compilation}) on {model} …", file=sys.stderr, flush=True)
+        return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=compilation == "eager",
+                   enable_chunked_prefill=False, enable_prefix_caching=False,  # repeated prompts would skip prefills
+                   max_num_seqs=32, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=args.seed)
+
+    def vllm_generate(llm, batch, names, max_tokens):
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                 extra_args=modes[m] if m else None) for m in names]
         return lambda: llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
 
     def hf_generate(batch, names, max_tokens):
@@ -118,18 +155,24 @@ def measure(args) -> dict:
     long = prompts([PREFILL[1]] * PREFILL[0], 2)
     mixed = prompts([8 + (37 * i) % 120 for i in range(MIXED)], 3)
     mixed_modes = [("standard", "soft", "fused")[i % 3] for i in range(MIXED)]
-    steps = {
-        "decode@standard": vllm_generate(concurrent, ["standard"] * len(concurrent), args.new_tokens),
-        "decode@soft": vllm_generate(concurrent, ["soft"] * len(concurrent), args.new_tokens),
-        "prefill@standard": vllm_generate(long, ["standard"] * len(long), 1),
-        "prefill@fused": vllm_generate(long, ["fused"] * len(long), 1),
-        "generate@vllm": vllm_generate(mixed, mixed_modes, MIXED_NEW),
-        "generate@hf": hf_generate(mixed, mixed_modes, MIXED_NEW),
-    }
-    with progress((args.warmup + args.repeats) * len(steps), "serving benchmark", "call") as bar:
-        time_rounds(steps, args.warmup, bar)
-        times = time_rounds(steps, args.repeats, bar)
-    llm.llm_engine.engine_core.shutdown()
+    times = {}
+    for compilation in COMPILATIONS:
+        fbt, native = engine(export, compilation), engine(qwen3, compilation)
+        steps = {
+            f"decode-{compilation}@standard": vllm_generate(fbt, concurrent, ["standard"] * len(concurrent), args.new_tokens),
+            f"decode-{compilation}@soft": vllm_generate(fbt, concurrent, ["soft"] * len(concurrent), args.new_tokens),
+            f"decode-{compilation}@qwen3": vllm_generate(native, concurrent, [None] * len(concurrent), args.new_tokens),
+            f"prefill-{compilation}@standard": vllm_generate(fbt, long, ["standard"] * len(long), 1),
+            f"prefill-{compilation}@fused": vllm_generate(fbt, long, ["fused"] * len(long), 1),
+        }
+        if compilation == "compiled":
+            steps["generate@vllm"] = vllm_generate(fbt, mixed, mixed_modes, MIXED_NEW)
+            steps["generate@hf"] = hf_generate(mixed, mixed_modes, MIXED_NEW)
+        with progress((args.warmup + args.repeats) * len(steps), f"serving benchmark ({compilation})", "call") as bar:
+            time_rounds(steps, args.warmup, bar)
+            times.update(time_rounds(steps, args.repeats, bar))
+        for llm in (fbt, native):
+            llm.llm_engine.engine_core.shutdown()
     ratios = {r.key: r.result(median_ratio(times[f"{r.kind}@{r.numerator}"], times[f"{r.kind}@{r.denominator}"]))
               for r in RATIOS}
     tokens = {"decode": len(concurrent) * args.new_tokens, "prefill": PREFILL[0], "generate": MIXED * MIXED_NEW}
@@ -139,7 +182,7 @@ def measure(args) -> dict:
                       new_tokens=args.new_tokens, fused_prefill_passes=FUSED_PASSES,
                       **settings(args, load_before)),
         seconds={name: statistics.median(t) for name, t in times.items()},
-        output_tokens={name: tokens[name.split("@")[0]] for name in times},
+        output_tokens={name: tokens[name.split("@")[0].split("-")[0]] for name in times},
         ratios=ratios,
     )
 
@@ -148,14 +191,18 @@ def format_report(results: dict) -> str:
     s = results["settings"]
     title = (f"FBT serving benchmark (vLLM, fp32): export {s['export']} (hidden {s['hidden_size']}, {s['num_layers']} "
              f"layers, vocab {s['vocab_size']})")
-    labels = {
-        "decode@standard": f"decode, {s['concurrent']} × {s['new_tokens']} tokens, standard",
-        "decode@soft": f"decode, {s['concurrent']} × {s['new_tokens']} tokens, soft",
-        "prefill@standard": f"prefill, {PREFILL[0]} × {PREFILL[1]} tokens, standard",
-        "prefill@fused": f"prefill, {PREFILL[0]} × {PREFILL[1]} tokens, fused({s['fused_prefill_passes']})",
-        "generate@vllm": f"{MIXED} mixed requests × {MIXED_NEW} tokens, vLLM",
-        "generate@hf": f"{MIXED} mixed requests × {MIXED_NEW} tokens, HF generate",
-    }
+    decode = f"decode, {s['concurrent']} × {s['new_tokens']} tokens"
+    labels = {}
+    for c in COMPILATIONS:
+        labels.update({
+            f"decode-{c}@qwen3": f"{decode}, vLLM's Qwen3 ({c})",
+            f"decode-{c}@standard": f"{decode}, FBT standard ({c})",
+            f"decode-{c}@soft": f"{decode}, FBT soft ({c})",
+            f"prefill-{c}@standard": f"prefill, {PREFILL[0]} × {PREFILL[1]} tokens, standard ({c})",
+            f"prefill-{c}@fused": f"prefill, {PREFILL[0]} × {PREFILL[1]} tokens, fused({s['fused_prefill_passes']}) ({c})",
+        })
+    labels["generate@vllm"] = f"{MIXED} mixed requests × {MIXED_NEW} tokens, vLLM (compiled)"
+    labels["generate@hf"] = f"{MIXED} mixed requests × {MIXED_NEW} tokens, HF generate"
     rows = [[label, f"{1e3 * results['seconds'][name]:,.0f}",
              f"{results['output_tokens'][name] / results['seconds'][name]:,.0f}"] for name, label in labels.items()]
-    return report(results, title, [("variant", 44), ("ms", 9), ("output tokens/s", 16)], rows)
+    return report(results, title, [("variant", 58), ("ms", 9), ("output tokens/s", 16)], rows)
