@@ -21,7 +21,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from fbt_megatron import checkpointing, flags, platform, stages
+from fbt_megatron import checkpointing, flags, megatron_fixes, platform, stages
 from fbt_megatron.build import build_model, build_optimizer
 from fbt_megatron.checkpointing import TrainState
 from fbt_megatron.cli import quiet_library_warnings, run_cli
@@ -58,6 +58,8 @@ def train(recipe: Recipe) -> List[dict]:
     schedule, schedule_note = choose_schedule(recipe, saved)
     platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed,
                               context_parallel_size=p.context_parallel_size, timeout_s=60 * t.distributed_timeout_minutes)
+    if c.save:  # its checkpoint writers' manager, forked while this process is small (megatron_fixes)
+        megatron_fixes.start_write_results_queue()
     data = build_data(recipe, dist.get_rank())
     vocab = data.tokenizer.padded_vocab_size(p.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
     stages.check_vocabulary(origin, vocab)

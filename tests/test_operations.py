@@ -350,7 +350,9 @@ def _torchrun(log: Path, args: list, when=None, act=None) -> dict:
 
 
 def _rank(launcher: int, rank: int) -> int:
-    workers = [p.pid for p in descendants(launcher) if p.environ().get("RANK") == str(rank)]
+    """The worker process of ``rank`` (not the processes it forked, which inherit its RANK)."""
+    of_rank = {p.pid: p for p in descendants(launcher) if p.environ().get("RANK") == str(rank)}
+    workers = [pid for pid, p in of_rank.items() if p.ppid() not in of_rank]
     assert len(workers) == 1, workers
     return workers[0]
 

@@ -34,10 +34,9 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, type=Path, help="a new folder for every artefact and rehearsal.json")
     parser.add_argument("--num-layers", type=int,
                         help="fewer layers at the same width (default: the recipe's, or the most that fit --memory-budget-gib)")
-    parser.add_argument("--memory-budget-gib", type=float, default=11.5,
-                        help="what one training process may hold on CPU, by the planner's estimate x 1.1 (default 11.5: "
-                             "21 GB less what megatron-core's forked checkpoint writers hold during a save, about 1.3x "
-                             "the checkpoint; docs/planning.md)")
+    parser.add_argument("--memory-budget-gib", type=float,
+                        help="what a training stage's processes may hold together on CPU, by the planner's estimate x 1.1 "
+                             "(default: 90%% of the memory available at the start; docs/planning.md)")
     parser.add_argument("--seq-length", type=int, default=256, help="training sequence (default 256)")
     parser.add_argument("--vocab-size", type=int,
                         help="the embedding's rows: the corpus tokenizer widened to this size (default: the preset's)")

@@ -55,6 +55,23 @@ def same_safetensors(a: Path, b: Path) -> tuple:
     return f"{len(ia)} tensors, {elements:,} values bit-identical", True
 
 
+def same_checkpoint(a: Path, b: Path) -> tuple:
+    """(description, equal): two torch_dist checkpoints of the same state, their data files
+    (``*.distcp``: every tensor and the optimizer's objects) compared byte for byte; the rest may
+    differ (``.metadata`` holds the folder and a random save id, ``common.pt`` the run's arguments)."""
+    import filecmp
+
+    names = lambda folder: sorted(f.name for f in folder.iterdir() if f.suffix == ".distcp")  # noqa: E731
+    na, nb = names(a), names(b)
+    if na != nb or not na:
+        return f"files differ: {na} vs {nb}", False
+    differ = [n for n in na if not filecmp.cmp(a / n, b / n, shallow=False)]
+    size = sum((a / n).stat().st_size for n in na)
+    if differ:
+        return f"{len(differ)} of {len(na)} files differ (first: {differ[0]})", False
+    return f"{len(na)} files, {size / 2 ** 30:.2f} GiB byte-identical", True
+
+
 def generated_ids(stage, prompt_length: int) -> List[int]:
     """The ids after the prompt that ``generate --print-ids`` printed for its one sequence."""
     lines = [text for _, text in stage.lines]

@@ -4,10 +4,12 @@ The child's output goes to ``<stage>.log`` with each line's arrival time (second
 so a stage's phases can be timed from its own log lines. Memory is sampled every ``INTERVAL``
 seconds over the child's whole process tree (torchrun's workers, megatron's background savers):
 the largest single process's peak RSS (the kernel's high-water mark ``VmHWM``, so a peak between two
-samples is not missed; what the planner estimates per rank) and the largest sum of RSS (which
-counts the pages a forked child shares with its parent, e.g. megatron's async-save workers, in each). CPU
-time is the children's user + system time (``getrusage``): unlike wall time, it hardly depends on
-what else the machine runs.
+samples is not missed; what the planner estimates per rank) and the tree's largest footprint, the
+sum of its processes' proportional set sizes (``Pss`` of ``smaps_rollup``: a page a forked child
+shares with its parent counts once, split between them; what the machine must hold). CPU time is
+the children's user + system time (``getrusage``): unlike wall time, it hardly depends on what else
+the machine runs. Reading the Pss of a large process costs (``OVERHEAD``): it is read less often,
+at most 5% of a core.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import List, Optional
 import psutil
 
 INTERVAL = 0.2  # seconds between memory samples
+OVERHEAD = 20  # the tree's Pss at most every 20 times what reading it took: a 16 GiB process's walks its page tables
 GiB = 2**30
 
 
@@ -36,7 +39,7 @@ class Measured:
     cpu_seconds: float
     code: int
     max_process_rss: int  # bytes
-    max_tree_rss: int  # bytes
+    max_tree_pss: int  # bytes
     lines: List[tuple] = field(default_factory=list)  # (seconds since start, text)
     log: str = ""
 
@@ -58,28 +61,35 @@ class _Sampler(threading.Thread):
         self.max_process = self.max_tree = 0
 
     def run(self):
+        pss_due = 0.0  # when the tree's Pss is read next (at most OVERHEAD times what the last reading took)
         while not self.done.is_set():
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
                 break
-            sizes, peaks = [], []
             for p in procs:
                 try:
-                    sizes.append(p.memory_info().rss)
-                    peaks.append(_peak_rss(p.pid) or sizes[-1])
-                except (psutil.Error, OSError):
+                    self.max_process = max(self.max_process, _kib(f"/proc/{p.pid}/status", "VmHWM:"))
+                except OSError:  # it ended meanwhile
                     pass
-            if sizes:
-                self.max_process, self.max_tree = max(self.max_process, *peaks), max(self.max_tree, sum(sizes))
+            began = time.perf_counter()
+            if began >= pss_due:
+                sizes = []
+                for p in procs:
+                    try:
+                        sizes.append(_kib(f"/proc/{p.pid}/smaps_rollup", "Pss:"))
+                    except OSError:
+                        pass
+                self.max_tree = max(self.max_tree, sum(sizes))
+                pss_due = began + OVERHEAD * (time.perf_counter() - began)
             self.done.wait(INTERVAL)
 
 
-def _peak_rss(pid: int) -> int:
-    """A process's peak RSS so far in bytes (``VmHWM`` of /proc/PID/status; 0 where there is none)."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
+def _kib(path: str, key: str) -> int:
+    """The bytes of the ``key`` line (a size in kB) of a /proc file; 0 where there is none."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024
     return 0
 

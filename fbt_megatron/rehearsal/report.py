@@ -32,7 +32,7 @@ class Report:
     def stage(self, m: Measured, output: Optional[Path] = None) -> None:
         self.stages.append(dict(stage=m.name, seconds=round(m.seconds, 1), cpu_seconds=round(m.cpu_seconds, 1),
                                 max_process_rss_gib=round(m.max_process_rss / GiB, 2),
-                                max_tree_rss_gib=round(m.max_tree_rss / GiB, 2), exit=m.code,
+                                max_tree_pss_gib=round(m.max_tree_pss / GiB, 2), exit=m.code,
                                 output_gib=round(folder_bytes(output) / GiB, 2) if output else None,
                                 log=str(Path(m.log).relative_to(self.folder))))
 
@@ -40,10 +40,10 @@ class Report:
         start = time.perf_counter()
         fn()
         self.stages.append(dict(stage=name, seconds=round(time.perf_counter() - start, 1), cpu_seconds=None, max_process_rss_gib=None,
-                                max_tree_rss_gib=None, exit=0, output_gib=None, log=note))
+                                max_tree_pss_gib=None, exit=0, output_gib=None, log=note))
 
     def skip(self, name: str, why: str) -> None:
-        self.stages.append(dict(stage=name, seconds=None, cpu_seconds=None, max_process_rss_gib=None, max_tree_rss_gib=None, exit=None,
+        self.stages.append(dict(stage=name, seconds=None, cpu_seconds=None, max_process_rss_gib=None, max_tree_pss_gib=None, exit=None,
                                 output_gib=None, log=f"skipped: {why}"))
 
     def figure(self, name: str, value: float, unit: str, note: str = "") -> None:
@@ -85,12 +85,17 @@ class Report:
 
     def checkpoint(self, path: Path, train: Measured) -> None:
         self.figure("checkpoint size (one step, torch_dist)", round(folder_bytes(path) / GiB, 2), "GiB", str(path.name))
-        line = next((text for _, text in train.lines if "held up training" in text), None)
+        self.saves("train", train)
+
+    def saves(self, stage: str, m: Measured) -> None:
+        """What a stage's saves held training up, from the line its run ends with."""
+        line = next((text for _, text in m.lines if "held up training" in text), None)
         if line is not None:  # "... of which saving N checkpoints held up training X s ..."
+            count = line.split("of which saving ")[1].split(" checkpoint")[0]
             blocked = float(line.split("held up training ")[1].split()[0])
             background = "background" in line
-            self.figure(f"checkpoint saves, training held up (both, {'async' if background else 'blocking'})", blocked, "s",
-                        "the rest is written in the background" if background else "")
+            self.figure(f"{stage}: {count} checkpoint save(s), training held up ({'async' if background else 'blocking'})",
+                        blocked, "s", "the rest written in the background, the run's end waits for it" if background else "")
 
     def load_time(self, fresh: Measured, resumed: Measured) -> None:
         """The resumed run's time to its first log line minus the fresh run's: what loading added."""
@@ -136,9 +141,9 @@ class Report:
         def fmt(x, unit=""):
             return "-" if x is None else f"{x}{unit}"
 
-        rows = [("stage", "wall s", "CPU s", "max RSS GiB (process / tree sum)", "output GiB", "log")]
+        rows = [("stage", "wall s", "CPU s", "peak GiB (largest process RSS / all PSS)", "output GiB", "log")]
         rows += [(s["stage"], fmt(s["seconds"]), fmt(s["cpu_seconds"]), "-" if s["max_process_rss_gib"] is None else
-                  f"{s['max_process_rss_gib']} / {s['max_tree_rss_gib']}", fmt(s["output_gib"]), s["log"]) for s in self.stages]
+                  f"{s['max_process_rss_gib']} / {s['max_tree_pss_gib']}", fmt(s["output_gib"]), s["log"]) for s in self.stages]
         timed = [s for s in self.stages if s["seconds"] is not None]
         rows.append(("total", round(sum(s["seconds"] for s in timed), 1),
                      round(sum(s["cpu_seconds"] or 0 for s in timed), 1), "", "", ""))

@@ -2,9 +2,11 @@
 
 1. ``train``: training from scratch, step 1 at k = 1, step 2 at k = 3 (``--recompute-passes true``),
    the recipe's optimizer, a checkpoint after every step (``--async-save`` where the budget holds it, ``fit``);
-2. ``resume``: from the step-1 checkpoint, step 2 again: its losses must equal ``train``'s bit for bit;
+2. ``resume``: from the step-1 checkpoint, step 2 again: its losses must equal ``train``'s bit for bit,
+   and its one checkpoint, saved async (the last save of a run: no step runs beside its copies), must
+   equal ``train``'s step-2 checkpoint file for file;
 3. ``reshard``: the same from the step-1 checkpoint at TP ``reshard_tp`` (torchrun, one process per
-   rank): step 2's losses equal ``train``'s to float32 summation order;
+   rank, its save async too): step 2's losses equal ``train``'s to float32 summation order;
 4. ``export``: ``convert to-hf`` in bfloat16, sharded safetensors with an index;
 5. ``import``: ``convert from-hf`` of the export; ``re-export``: to-hf again, equal tensor for tensor;
 6. ``hf``: the export loaded offline by transformers (``hf_check``), greedy tokens in each mode;
@@ -13,9 +15,10 @@
 
 The planner's estimate (``fbt_megatron.plan``, with a CPU process's terms) of the training ranks'
 memory is set against the largest process RSS measured, and decides what fits the memory budget
-(``fit``): the recipe's layers with async saves, else with blocking saves (the async writer's copies
-outlive the save into step 2 on CPU), else the most layers that fit at the same width; ``--num-layers``
-is kept as asked. The vocabulary is the preset's, the corpus's sentencepiece widened to it
+(``fit``; the budget holds a stage's processes together, the reshard stage's ranks too): the recipe's
+layers with async saves, else with blocking saves in ``train`` (the async writer's copies outlive the
+save into step 2 on CPU; the other stages' last saves stay async), else the most layers that fit at the
+same width; ``--num-layers`` is kept as asked. The vocabulary is the preset's, the corpus's sentencepiece widened to it
 (``vocabulary.py``); the data are the embedded corpus.
 """
 
@@ -45,7 +48,7 @@ class Options:
     recipe: str
     output: Path
     num_layers: Optional[int] = None  # None: the recipe's, or the most that fit memory_budget_gib
-    memory_budget_gib: float = 11.5  # one training process on CPU: 21 GB less the save's forked writers (docs/planning.md)
+    memory_budget_gib: Optional[float] = None  # a stage's processes together on CPU; None: 90% of the memory available at the start
     seq_length: int = 256
     vocab_size: Optional[int] = None  # None: the preset's; the tokenizer is widened to it
     data_path: str = "data/stdlib-sp2048"
@@ -146,28 +149,39 @@ class Rehearsal:
 
     def fit(self) -> None:
         """The layers and the saves the memory budget holds (module docstring), said in one figure."""
+        import psutil
         import torch
 
         from fbt_megatron.config import make_config
 
         full = make_config(self.recipe_preset()).num_layers
         self.layers, self.async_save = self.o.num_layers or full, True
-        budget, world = self.o.memory_budget_gib * GiB, self.o.nproc_per_node
         if torch.cuda.is_available():  # a GPU node's pre-flight: its memory is the GPU's, planned by train --dry-run
             return
+        budget = self.o.memory_budget_gib or round(0.9 * psutil.virtual_memory().available / GiB, 1)
         tried = []
         for layers, async_save in [(self.layers, True), *[(n, False) for n in range(self.layers, 0, -1)]]:
             self.layers, self.async_save = layers, async_save
-            plan = self.make_plan(world)
-            need = plan.memory[plan.chosen].total
+            need = max(self.stage_memory(world, tp) for world, tp in self.training_layouts())
             tried.append(f"{layers} layer{'s' if layers > 1 else ''} with {'async' if async_save else 'blocking'} saves {need / GiB:.2f} GiB")
-            if need * FIT_MARGIN <= budget or self.o.num_layers and not async_save:
+            if need * FIT_MARGIN <= budget * GiB or self.o.num_layers and not async_save:
                 break
-        fits = need * FIT_MARGIN <= budget
+        fits = need * FIT_MARGIN <= budget * GiB
+        saves = "async saves" if self.async_save else "train's saves blocking, the resumed and resharded runs' (their last) async"
         self.report.figure("layers and saves rehearsed", self.layers, f"of {full} layers",
-                           f"{'async' if self.async_save else 'blocking'} saves; the planner per process: "
-                           + " > ".join(tried if len(tried) < 4 else [*tried[:2], "…", tried[-1]]) + f" (× {FIT_MARGIN} margin vs the budget {self.o.memory_budget_gib} GiB"
+                           f"{saves}; the planner's largest stage (its processes together): "
+                           + " > ".join(tried if len(tried) < 4 else [*tried[:2], "…", tried[-1]]) + f" (× {FIT_MARGIN} margin vs the budget "
+                           + f"{budget} GiB{'' if self.o.memory_budget_gib else ', 90% of the memory available'}"
                            + ("" if fits else ": does not fit; run anyway") + ")")
+
+    def training_layouts(self) -> List[tuple]:
+        """(processes, TP or None: the flags') of the training stages: train and resume, reshard."""
+        return [(self.o.nproc_per_node, None), (self.o.reshard_tp, self.o.reshard_tp)]
+
+    def stage_memory(self, world: int, tp: Optional[int]) -> int:
+        """The planner's bytes for a training stage's processes together (CPU terms: ``fbt_megatron.plan``)."""
+        plan = self.make_plan(world, tp)
+        return world * plan.memory[plan.chosen].total
 
     def plan(self) -> None:
         """The planner's memory per training rank, for the train stage's and the reshard stage's layouts."""
@@ -175,7 +189,7 @@ class Rehearsal:
 
         self.planned = {}
         texts = []
-        for stage, world, tp in (("train", self.o.nproc_per_node, None), ("reshard", self.o.reshard_tp, self.o.reshard_tp)):
+        for stage, (world, tp) in zip(("train", "reshard"), self.training_layouts()):
             plan = self.planned[stage] = self.make_plan(world, tp)
             texts.append(f"# {stage}: {world} process(es)\n{format_plan(plan)}\n")
         (self.out / "plan.txt").write_text("\n".join(texts))
@@ -188,12 +202,18 @@ class Rehearsal:
         steps = checks.metrics(run)
         self.report.steps(train, steps, self.planned["train"])
         self.report.checkpoint(run / "iter_0000001", train)
-        resume = self.stage("resume", self.train_command(resumed, o.nproc_per_node, "--load", run, "--ckpt-step", 1), resumed)
+        # the resumed and resharded runs' one save is their last: async whatever fit chose (no step beside its copies)
+        resume = self.stage("resume", self.train_command(resumed, o.nproc_per_node, "--load", run, "--ckpt-step", 1,
+                                                         "--async-save", "true"), resumed)
         self.report.check_losses("resume from step 1 = uninterrupted, step 2 (k=3)", steps[2], checks.metrics(resumed)[2],
                                  tolerance=0.0)
         self.report.load_time(train, resume)
+        self.report.saves("resume", resume)
+        self.report.check("resume's step-2 checkpoint (async save) = train's, file for file",
+                          *checks.same_checkpoint(resumed / "iter_0000002", run / "iter_0000002"))
         reshard = self.stage("reshard", self.train_command(resharded, o.reshard_tp, "--load", run, "--ckpt-step", 1,
-                                                           "--tensor-model-parallel-size", o.reshard_tp), resharded)
+                                                           "--tensor-model-parallel-size", o.reshard_tp, "--async-save", "true"),
+                             resharded)
         self.report.check_losses(f"resharded to TP {o.reshard_tp} ({o.reshard_tp} processes), step 2 (k=3)", steps[2],
                                  checks.metrics(resharded)[2], tolerance=1e-5)
         self.report.memory("reshard", reshard, self.planned["reshard"])
