@@ -19,6 +19,12 @@ the same settings (float32, chunked prefill and prefix caching off, 32 sequences
 cache); vLLM's CPU backend binds its own threads (one on 2 cores). Compiled engines first, then
 eager ones, one FBT and one Qwen3 engine at a time; within each, every round runs every variant
 once (interleaved); ratios are medians over rounds.
+
+Every timed call starts with every other process at rest: it waits ``SETTLE_S`` first, longer than
+the busy-wait of vLLM's worker after its last message (``shm_broadcast.SpinCondition``, 1 s of
+``sched_yield``), because the workers of both engines are bound to the same core (vLLM binds the
+worker of every engine on a machine to the same cores), so an engine measured right after the other
+shared its core with that one's spinning worker.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from .measure import Ratio, median_ratio, progress, settings, shape_overrides, time_rounds
+from .measure import Ratio, Seconds, median_ratio, progress, settings, shape_overrides, time_rounds
 from .report import format_report as report
 
 FLAG = "--serving"
@@ -48,6 +55,8 @@ MIXED_NEW = 32  # tokens each
 MAX_MODEL_LEN = 512
 KV_CACHE_BYTES = 256 << 20  # per engine: 16 × 96 tokens need ~6 MiB at the benchmark shape
 COMPILATIONS = ("compiled", "eager")  # vLLM's default, enforce_eager
+# rest before each timed call: > the 1 s a vLLM worker busy-waits (sched_yield) after its last message
+SETTLE_S = 1.5
 
 RATIOS = [
     *(Ratio(f"serving_decode_{mode}_vs_qwen3_{c}", f"decode output tokens/s, FBT {mode} / vLLM's Qwen3 ({c})",
@@ -65,6 +74,17 @@ RATIOS = [
 
 def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+def settled(run):
+    """``run`` as a step of ``time_rounds`` that rests ``SETTLE_S`` first, then times itself: every
+    engine's worker is past its busy-wait when the call starts (the module docstring)."""
+    def step():
+        time.sleep(SETTLE_S)
+        start = time.perf_counter()
+        run()
+        return Seconds(time.perf_counter() - start)
+    return step
 
 
 def write_random_export(args, folder: Path) -> Path:
@@ -168,6 +188,7 @@ def _measure(args, folder: Path) -> dict:
         if compilation == "compiled":
             steps["generate@vllm"] = vllm_generate(fbt, mixed, mixed_modes, MIXED_NEW)
             steps["generate@hf"] = hf_generate(mixed, mixed_modes, MIXED_NEW)
+        steps = {name: settled(run) for name, run in steps.items()}
         with progress((args.warmup + args.repeats) * len(steps), f"serving benchmark ({compilation})", "call") as bar:
             time_rounds(steps, args.warmup, bar)
             times.update(time_rounds(steps, args.repeats, bar))
