@@ -69,6 +69,8 @@ def test_rehearsal_at_the_real_width(tmp_path, monkeypatch):
     # the gradient norm at TP 2 = one process's to float32 rounding (was 1.9e-4 off: tests/test_wide_layouts.py)
     norm = next(c for name, c in checks.items() if name.startswith("resharded to TP 2") and "gradient norm" in name + c["value"])
     assert float(norm["value"].rsplit(" ", 1)[1]) <= 1e-6, norm
+    memory = next(c for name, c in checks.items() if name.startswith("train: largest process RSS"))
+    assert "; peak at " in memory["value"] and ", after " in memory["value"], memory  # where in the run the peak was
     stages = {s["stage"]: s for s in report["stages"]}
     assert all(s["exit"] == 0 for name, s in stages.items() if name != "vllm")
     assert stages["train"]["max_process_rss_gib"] > 0 and stages["export"]["output_gib"] > 0

@@ -6,7 +6,8 @@ seconds over the child's whole process tree (torchrun's workers, megatron's back
 the largest single process's peak RSS (the kernel's high-water mark ``VmHWM``, so a peak between two
 samples is not missed; what the planner estimates per rank) and the tree's largest footprint, the
 sum of its processes' proportional set sizes (``Pss`` of ``smaps_rollup``: a page a forked child
-shares with its parent counts once, split between them; what the machine must hold). CPU time is
+shares with its parent counts once, split between them; what the machine must hold), and when that
+process's peak was reached, placed after the log line before it (``Measured.peak``). CPU time is
 the children's user + system time (``getrusage``): unlike wall time, it hardly depends on what else
 the machine runs. Reading the Pss of a large process costs (``OVERHEAD``): it is read less often,
 at most 5% of a core.
@@ -42,6 +43,7 @@ class Measured:
     max_tree_pss: int  # bytes
     lines: List[tuple] = field(default_factory=list)  # (seconds since start, text)
     log: str = ""
+    peak_at: Optional[float] = None  # seconds since start when the largest process's peak RSS was last raised
 
     def ok(self) -> bool:
         return self.code == 0
@@ -50,15 +52,23 @@ class Measured:
         """When the first line starting with ``prefix`` arrived (None: no such line)."""
         return next((t for t, text in self.lines if text.startswith(prefix)), None)
 
+    def peak(self) -> str:
+        """When the largest process's RSS peaked, and the last log line before then."""
+        if self.peak_at is None:
+            return "peak time unknown"
+        before = [text for t, text in self.lines if t <= self.peak_at and text.strip()]
+        return f"peak at {self.peak_at:.0f} s" + (f", after {before[-1][:80]!r}" if before else ", before the first log line")
+
     def tail(self, n: int = 25) -> str:
         return "\n".join(text for _, text in self.lines[-n:])
 
 
 class _Sampler(threading.Thread):
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, start: float):
         super().__init__(daemon=True)
-        self.root, self.done = psutil.Process(pid), threading.Event()
+        self.root, self.done, self.origin = psutil.Process(pid), threading.Event(), start
         self.max_process = self.max_tree = 0
+        self.peak_at: Optional[float] = None
 
     def run(self):
         pss_due = 0.0  # when the tree's Pss is read next (at most OVERHEAD times what the last reading took)
@@ -69,9 +79,11 @@ class _Sampler(threading.Thread):
                 break
             for p in procs:
                 try:
-                    self.max_process = max(self.max_process, _kib(f"/proc/{p.pid}/status", "VmHWM:"))
+                    hwm = _kib(f"/proc/{p.pid}/status", "VmHWM:")
                 except OSError:  # it ended meanwhile
-                    pass
+                    continue
+                if hwm > self.max_process:
+                    self.max_process, self.peak_at = hwm, time.perf_counter() - self.origin
             began = time.perf_counter()
             if began >= pss_due:
                 sizes = []
@@ -109,7 +121,7 @@ def run_stage(name: str, command: List, log: Path, cwd: Path, env: Optional[dict
         out.flush()
         child = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  errors="replace")
-        sampler = _Sampler(child.pid)
+        sampler = _Sampler(child.pid, start)
         sampler.start()
         for text in child.stdout:
             text = text.rstrip("\n")
@@ -124,4 +136,4 @@ def run_stage(name: str, command: List, log: Path, cwd: Path, env: Optional[dict
         sampler.join()
     now = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
-    return Measured(name, command, seconds, cpu, code, sampler.max_process, sampler.max_tree, lines, str(log))
+    return Measured(name, command, seconds, cpu, code, sampler.max_process, sampler.max_tree, lines, str(log), sampler.peak_at)

@@ -80,7 +80,7 @@ class Report:
         ratio = measured / planned
         terms = ", ".join(f"{k} {v / GiB:.2f}" for k, v in estimate.terms.items())
         self.check(f"{stage}: largest process RSS vs the planner ({plan.chosen})",
-                   f"{measured / GiB:.2f} vs {planned / GiB:.2f} GiB planned ({terms}): {ratio:.2f}x",
+                   f"{measured / GiB:.2f} vs {planned / GiB:.2f} GiB planned ({terms}): {ratio:.2f}x; {m.peak()}",
                    abs(ratio - 1) <= MEMORY_TOLERANCE)
 
     def checkpoint(self, path: Path, train: Measured) -> None:
