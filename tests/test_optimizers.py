@@ -1,7 +1,9 @@
 """NorMuon + Adam and AdamC weight decay (fbt_megatron.optimizers).
 
 * NorMuon's update equals a straightforward implementation of the paper's algorithm written
-  here, and pytorch-optimizer's NorMuon (whose Newton–Schulz it uses).
+  here, and pytorch-optimizer's NorMuon (whose Newton–Schulz it uses); at TP 2, with each matrix
+  orthogonalised by one owner rank and shared out, every rank's shards equal the one-process
+  update bit for bit (tests/distributed/normuon_worker.py).
 * The split of parameters between NorMuon and Adam.
 * Through the training entry point at TP 2 and TP 2 × DP 2 (one launch of forked ranks each,
   tests/distributed/optimizer_worker.py) and in one process (this one), from one seed checkpoint: every layout's losses and
@@ -101,6 +103,12 @@ def test_normuon_equals_pytorch_optimizer(monkeypatch):
         p.grad = g.clone()
         optimizer.step()
     assert torch.allclose(ours(weight, grads, lr=0.02, wd=0.1), p.detach(), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_normuon_owner_per_matrix_under_tp2_equals_one_process_bit_for_bit(tmp_path):
+    code, text = launch(tmp_path / "normuon.log", DISTRIBUTED / "normuon_worker.py", nproc=2)
+    assert code == 0 and text.count(" ok True") == 2, text[-3000:]
 
 
 def test_parameter_split():

@@ -11,12 +11,17 @@ One step for a weight matrix W (m × n) with gradient G, following the paper's r
 
 Newton–Schulz is pytorch-optimizer's ``zero_power_via_newton_schulz_5``, run in fp32.
 
-Tensor parallelism follows megatron-core's ``muon.py``: in ``duplicated`` mode the momentum's
-shards are all-gathered along the weight's ``partition_dim``, the whole matrix is orthogonalised
-and row-normalised (so the update equals the one-process update) and each rank keeps its chunk.
-``v`` holds one value per row of the local weight: sharded like the rows of a column-parallel
-weight (gathered for the step), whole on every TP rank for a row-parallel one (each rank computes
-the same). In ``blockwise`` mode each shard is orthogonalised and normalised alone. A fused QKV weight (``is_qkv`` set, as in
+Tensor parallelism follows megatron-core's ``muon.py``: in ``duplicated`` mode the whole matrix
+is orthogonalised and row-normalised (so the update equals the one-process update) and each rank
+keeps its chunk. Where megatron-core's every TP rank orthogonalises every matrix, here each matrix
+has one owner: the parameters are taken in rounds of TP size, the i-th of a round owned by TP rank
+i, which gathers the momentum's shards along the weight's ``partition_dim``, computes the direction
+while the other ranks compute theirs, and scatters the chunks (broadcasts a matrix not split by
+TP). The same arithmetic on the same matrix: the update is bit for bit the one every rank would
+compute, for 1/TP of Newton–Schulz's work per rank. ``v`` holds one value per row of the local
+weight: sharded like the rows of a column-parallel weight (gathered to the owner and scattered
+back), whole on every TP rank for a row-parallel one (broadcast by the owner). In ``blockwise``
+mode each shard is orthogonalised and normalised alone. A fused QKV weight (``is_qkv`` set, as in
 ``muon.py``) is orthogonalised per Q, K and V over all query groups.
 """
 
@@ -42,12 +47,27 @@ def tp_partition_dim(p: torch.Tensor, tp_group, mode: str) -> Optional[int]:
     return p.partition_dim
 
 
-def _gather(x: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
+def _gather_to(x: torch.Tensor, dim: Optional[int], owner: int, group) -> Optional[torch.Tensor]:
+    """The whole of ``x`` on TP rank ``owner`` (its shards concatenated along ``dim``; ``x`` itself,
+    the same on every rank, where ``dim`` is None), None elsewhere."""
+    mine = dist.get_rank(group) == owner
     if dim is None:
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+        return x if mine else None
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))] if mine else None
+    dist.gather(x.contiguous(), parts, dst=dist.get_global_rank(group, owner), group=group)
+    return torch.cat(parts, dim=dim) if mine else None
+
+
+def _share_from(whole: Optional[torch.Tensor], out: torch.Tensor, dim: Optional[int], owner: int, group) -> None:
+    """Fills every rank's ``out`` with its chunk (along ``dim``; all of it where None) of the owner's ``whole``."""
+    src = dist.get_global_rank(group, owner)
+    if dim is None:
+        if whole is not None and whole is not out:
+            out.copy_(whole)
+        dist.broadcast(out, src=src, group=group)
+        return
+    chunks = [c.contiguous() for c in whole.chunk(dist.get_world_size(group), dim=dim)] if whole is not None else None
+    dist.scatter(out, chunks, src=src, group=group)
 
 
 def _split(x: torch.Tensor, shapes: Optional[Sequence[int]]) -> list:
@@ -97,30 +117,55 @@ class NorMuon(torch.optim.Optimizer):
             state["momentum_buffer"] = torch.zeros_like(p)
             state["second_moment"] = torch.zeros(p.shape[0], 1, dtype=torch.float32, device=p.device)
 
+    def _update(self, p: torch.Tensor, mu: float) -> torch.Tensor:
+        """Momentum, then its Nesterov mix with the gradient."""
+        self.init_state(p)
+        buf = self.state[p]["momentum_buffer"]
+        buf.lerp_(p.grad, 1.0 - mu)
+        return p.grad.lerp(buf, mu)
+
+    def _direction(self, p: torch.Tensor, update: torch.Tensor, v: torch.Tensor, group: dict) -> torch.Tensor:
+        return normuon_direction(update, v, group["beta2"], group["eps"], self.num_ns_steps,
+                                 self.qkv_split_shapes if getattr(p, "is_qkv", False) else None)
+
+    @staticmethod
+    def _apply(p: torch.Tensor, o: torch.Tensor, group: dict) -> None:
+        p.mul_(1.0 - group["lr"] * group["weight_decay"])
+        p.add_(o.to(p.dtype), alpha=-group["lr"])
+
+    def _owned_round(self, params: list, group: dict) -> None:
+        """One round of ``duplicated`` TP (module docstring): ``params[i]`` orthogonalised by TP rank i."""
+        tp, rank = self.tp_group, dist.get_rank(self.tp_group)
+        dims = [tp_partition_dim(p, tp, self.tp_mode) for p in params]
+        mine = None
+        for i, (p, dim) in enumerate(zip(params, dims)):
+            whole = _gather_to(self._update(p, group["momentum"]), dim, i, tp)
+            v = _gather_to(self.state[p]["second_moment"], 0 if dim == 0 else None, i, tp)
+            if i == rank:
+                mine = (p, whole, v)
+        if mine is not None:
+            p, whole, v = mine
+            mine = (self._direction(p, whole, v, group), v)
+        for i, (p, dim) in enumerate(zip(params, dims)):
+            o, v = mine if i == rank else (None, None)
+            local = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            _share_from(o, local, dim, i, tp)
+            _share_from(v, self.state[p]["second_moment"], 0 if dim == 0 else None, i, tp)
+            self._apply(p, local, group)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        tp_size = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                self.init_state(p)
-                state, mu = self.state[p], group["momentum"]
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1.0 - mu)
-                update = p.grad.lerp(buf, mu)  # Nesterov
-                dim = tp_partition_dim(p, self.tp_group, self.tp_mode)
-                v = _gather(state["second_moment"], 0 if dim == 0 else None, self.tp_group)
-                o = normuon_direction(_gather(update, dim, self.tp_group), v, group["beta2"], group["eps"],
-                                      self.num_ns_steps, self.qkv_split_shapes if getattr(p, "is_qkv", False) else None)
-                if dim is not None:
-                    rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
-                    o = o.chunk(size, dim=dim)[rank]
-                    if dim == 0:
-                        state["second_moment"].copy_(v.chunk(size)[rank])
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
-                p.add_(o.to(p.dtype), alpha=-group["lr"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if self.tp_mode == "duplicated" and tp_size > 1:
+                for start in range(0, len(params), tp_size):
+                    self._owned_round(params[start:start + tp_size], group)
+                continue
+            for p in params:
+                self._apply(p, self._direction(p, self._update(p, group["momentum"]), self.state[p]["second_moment"], group), group)
         return loss
