@@ -44,8 +44,9 @@ def _encode_in_worker(texts: list[str]) -> list[numpy.ndarray]:
     return [_worker_encode(text) for text in texts]
 
 
-def _chunks(items: Iterable[tuple[int, str]]) -> Iterator[tuple[list[int], list[str]]]:
-    """(outputs, texts) of consecutive documents, up to CHUNK_BYTES of text or CHUNK_DOCUMENTS each."""
+def chunks(items: Iterable[tuple[int, str]]) -> Iterator[tuple[list[int], list[str]]]:
+    """(outputs, texts) of consecutive documents, up to CHUNK_BYTES of text or CHUNK_DOCUMENTS each:
+    what a worker is handed at a time."""
     outputs, texts, size = [], [], 0
     for output, text in items:
         outputs.append(output)
@@ -67,7 +68,7 @@ def _encoded(items: Iterable[tuple[int, str]], tokenizer: Tokenizer, dtype, work
     processes.install()  # the workers die with this process
     with multiprocessing.Pool(workers, _start_worker, (tokenizer.path, dtype)) as pool:
         pending: collections.deque = collections.deque()
-        for outputs, texts in _chunks(items):
+        for outputs, texts in chunks(items):
             pending.append((outputs, pool.apply_async(_encode_in_worker, (texts,))))
             if len(pending) >= IN_FLIGHT * workers:
                 done_outputs, result = pending.popleft()

@@ -1,6 +1,8 @@
 """Corpus preparation (``tools/benchmark.py --data``): ``preprocess_data`` with W workers (``--threads``)
-against the raw tokenizer run as W processes, each tokenizing its share of the same text at once, so
-that "per core" means the same on both sides; for a sentencepiece model and an HF ``tokenizer.json``.
+against the raw tokenizer run the way its workers run: a pool of W processes started for the call,
+handed the same text in the same chunks, each tokenizing what it gets and nothing else (no JSON, no
+ids sent back, nothing written), so that "per core" means the same on both sides; for a
+sentencepiece model and an HF ``tokenizer.json``.
 With ``--megatron-lm DIR`` also against Megatron-LM's own ``tools/preprocess_data.py`` at W workers
 (its own timing, from its first document to its last, without start-up), whose ``.bin/.idx`` are
 compared byte for byte. Then its peak memory at 1× and 10× the input (the standard library's text
@@ -52,7 +54,7 @@ print(peak if child.returncode == 0 else -1)
 """
 PROCESSED = re.compile(r"Processed (\d+) documents \(([\d.e+-]+) docs/s")  # Megatron-LM's progress line
 
-_raw_tokenizer, _raw_shares = None, []  # a raw worker's tokenizer and the texts of every share
+_raw_tokenizer = None  # a raw worker's tokenizer
 
 
 def write_text(path: str, megabytes: float) -> list[str]:
@@ -88,28 +90,29 @@ def tokenizers_for(folder: str, texts: list[str]) -> dict:
     return {"sentencepiece": sp, "huggingface": os.path.join(folder, "hf", "tokenizer.json")}
 
 
-def shares(texts: list[str], count: int) -> list[list[str]]:
-    """`texts` cut into `count` contiguous shares of about equal length."""
-    total, before, out = sum(map(len, texts)), 0, [[] for _ in range(count)]
-    for text in texts:
-        out[min(count - 1, before * count // total)].append(text)
-        before += len(text)
-    return out
-
-
-def _start_raw(path: str, texts: list[list[str]]) -> None:
+def _start_raw(path: str) -> None:
     from fbt_megatron.data.tokenizer import load_tokenizer
 
-    global _raw_tokenizer, _raw_shares
-    _raw_tokenizer, _raw_shares = load_tokenizer(path), texts
+    global _raw_tokenizer
+    _raw_tokenizer = load_tokenizer(path)
 
 
-def _tokenize_share(index: int) -> float:
-    """Tokenize share `index`; the CPU seconds it took."""
+def _tokenize_chunk(texts: list[str]) -> float:
+    """Tokenize a chunk; the CPU seconds it took."""
     start = time.process_time()
-    for text in _raw_shares[index]:
+    for text in texts:
         _raw_tokenizer.tokenize(text)
     return time.process_time() - start
+
+
+def raw_tokenize(path: str, texts: list[str], workers: int) -> float:
+    """The raw tokenizer over `texts` in a pool of `workers` processes started for the call, handed
+    the chunks ``preprocess_data``'s workers get; the CPU seconds spent tokenizing."""
+    from fbt_megatron.data.preprocess import chunks
+
+    with multiprocessing.get_context("fork").Pool(workers, _start_raw, (path,)) as pool:
+        work = (chunk for _, chunk in chunks(enumerate(texts)))
+        return sum(pool.imap(_tokenize_chunk, work))
 
 
 def _cpu(usage) -> float:
@@ -150,12 +153,10 @@ def measure(args) -> dict:
         texts = write_text(source, megabytes)
         paths = tokenizers_for(folder, texts)
         tokens = {k: sum(len(load_tokenizer(p).tokenize(t)) + 1 for t in texts) for k, p in paths.items()}
-        pools = {k: multiprocessing.get_context("fork").Pool(workers, _start_raw, (p, shares(texts, workers)))
-                 for k, p in paths.items()}
         cpu = {name: [] for k in KINDS for name in (f"raw {k} CPU", f"preprocess {k} CPU", f"coordinator {k}")}
 
         def raw(kind):
-            return lambda: cpu[f"raw {kind} CPU"].append(sum(pools[kind].map(_tokenize_share, range(workers))))
+            return lambda: cpu[f"raw {kind} CPU"].append(raw_tokenize(paths[kind], texts, workers))
 
         def pre(kind):  # CPU seconds: the coordinating process (reads, parses, writes) and its reaped workers
             def run():
@@ -170,12 +171,8 @@ def measure(args) -> dict:
         if args.megatron_lm:
             steps.update({f"Megatron-LM {k}": (lambda k=k: megatron_lm(args, folder, source, k, paths[k], len(texts)))
                           for k in KINDS})
-        try:
-            with progress((args.warmup + args.repeats) * len(steps), "data benchmark", "run") as bar:
-                times = time_rounds(steps, args.warmup + args.repeats, bar)
-        finally:
-            for pool in pools.values():
-                pool.terminate()
+        with progress((args.warmup + args.repeats) * len(steps), "data benchmark", "run") as bar:
+            times = time_rounds(steps, args.warmup + args.repeats, bar)
         times = {name: t[args.warmup:] for name, t in times.items()}
         identical = {k: all(filecmp.cmp(os.path.join(folder, f"ours-{k}{ext}"),
                                         os.path.join(folder, f"megatron-{k}_text_document{ext}"), shallow=False)
@@ -214,7 +211,8 @@ def format_report(results: dict) -> str:
     w, peaks = results["workers"], results["peak_pss_bytes"]
     rows = [[name, f"{rate:,.0f}", f"{rate / w:,.0f}"] for name, rate in results["tokens_per_second"].items()]
     ns = results["cpu_ns_per_token"]
-    notes = [f"raw: {w} process{'es' * (w > 1)}, each tokenizing its share of the text at once; Megatron-LM: its own "
+    notes = [f"raw: {w} process{'es' * (w > 1)} started for the call, handed preprocess_data's chunks, tokenizing "
+             "only; Megatron-LM: its own "
              f"timing (first to last document, without start-up); per core: tokens/s / {w}",
              "CPU per token: " + "; ".join(f"{k}: raw {ns[f'raw {k} CPU']:,.0f} ns, preprocess_data {ns[f'preprocess {k} CPU']:,.0f} "
                                           f"ns of which its coordinating process {ns[f'coordinator {k}']:,.0f} ns" for k in KINDS)]
