@@ -23,8 +23,9 @@ vLLM's profile, dummy and warm-up runs (which compile the pass) find the index t
 they read and write scratch only.
 
 Weights load from the export's safetensors names. Three different weights are called ``gate_proj``:
-``self_attn.gate_proj`` (the headwise gate), ``mlp.gate_proj`` (SwiGLU's gate, stacked with
-``up_proj`` into ``gate_up_proj``) and ``feedback.gate_proj`` (W_G).
+``self_attn.gate_proj`` (the headwise gate, appended to ``qkv_proj`` once loaded: one GEMM per layer),
+``mlp.gate_proj`` (SwiGLU's gate, stacked with ``up_proj`` into ``gate_up_proj``) and
+``feedback.gate_proj`` (W_G).
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ class FBTAttention(nn.Module):
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
-        # the headwise gate: one row per query head, split across ranks with the heads
+        # the headwise gate: one row per query head, split across ranks with the heads; loaded on its own,
+        # then folded into qkv_proj (``fold_gate``)
         self.gate_proj = (ColumnParallelLinear(d, config.num_attention_heads, bias=False, quant_config=None,
                                                prefix=f"{prefix}.gate_proj") if config.attention_gate else None)
+        self.gate_size = 0  # the gate's columns at the end of qkv_proj's output, once folded
         self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings, is_neox_style=True,
                                    rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)})
         windowed = config.layer_types[layer_idx] == "sliding_attention"
@@ -81,18 +84,28 @@ class FBTAttention(nn.Module):
                               per_layer_sliding_window=config.sliding_window if windowed else None,
                               prefix=f"{prefix}.attn")
 
+    def fold_gate(self) -> None:
+        """After loading: the headwise gate's rows (this rank's heads) appended to qkv_proj's, so one
+        GEMM per layer gives q, k, v and the gate (vLLM prepares its kernel from the weight after
+        loading). The same dot products: the gate's values equal a separate projection's up to the
+        GEMM's summation order."""
+        if self.gate_proj is None:
+            return
+        qkv = self.qkv_proj.weight
+        self.qkv_proj.weight = nn.Parameter(torch.cat([qkv.data, self.gate_proj.weight.data]), requires_grad=False)
+        self.gate_size, self.gate_proj = self.gate_proj.weight.shape[0], None
+
     def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkvg, _ = self.qkv_proj(x)
+        q, k, v, gate = qkvg.split([self.q_size, self.kv_size, self.kv_size, self.gate_size], dim=-1)
         if self.q_norm is not None:
             q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v)
-        if self.gate_proj is not None:
-            gate, _ = self.gate_proj(x)
+        if self.gate_size:
             out = (out.view(-1, self.num_heads, self.head_dim) * torch.sigmoid(gate).unsqueeze(-1)).view(out.shape)
         out, _ = self.o_proj(out)
         return out
@@ -268,4 +281,6 @@ class FBTForCausalLM(nn.Module):
             else:
                 param.weight_loader(param, weight, shard)
             loaded.add(target)
+        for layer in self.model.layers:
+            layer.self_attn.fold_gate()
         return loaded

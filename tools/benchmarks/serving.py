@@ -3,7 +3,7 @@
 
   * decode throughput against vLLM's native Qwen3 of the same shape (hidden, layers, heads, head
     dimension, FFN, vocabulary; random weights written locally, no download), ``--micro-batch-size``
-    (16) concurrent requests of ``--prompt-length`` tokens decoding ``--new-tokens`` each, with
+    (16) concurrent requests of ``--prompt-length`` (32) tokens decoding ``--new-tokens`` (256) each, with
     vLLM's default compilation and with ``enforce_eager``: FBT standard (goal ≥ 0.95) and soft
     (goal ≥ 0.92) output tokens/s over Qwen3's;
   * decode throughput of soft against standard requests (goal ≥ 0.97: the fusion adds two D×D
@@ -43,7 +43,9 @@ from .report import format_report as report
 FLAG = "--serving"
 HELP = ("measure serving with vLLM instead: FBT / vLLM's Qwen3 decode (compiled, eager), soft / standard decode, "
         "fused(n) / standard prefill, vLLM / HF generate")
-DEFAULTS = dict(preset="tiny", micro_batch_size=16, repeats=7, warmup=1, prompt_length=32, new_tokens=64)
+# 256 new tokens: a decode call of about a second, long against this machine's scheduling jitter (64
+# tokens, 0.3 s calls, moved the FBT / Qwen3 ratios by ±10% from run to run)
+DEFAULTS = dict(preset="tiny", micro_batch_size=16, repeats=9, warmup=1, prompt_length=32, new_tokens=256)
 
 # the shape with --preset tiny: the step benchmark's (head_dim 64: vLLM's CPU attention takes 32, 64, 80, …)
 TINY_SHAPE = dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4, num_query_groups=2,
