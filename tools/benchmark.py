@@ -4,7 +4,7 @@
     python tools/benchmark.py --decode              # generation (fbt-1b shape, fp32), a few minutes
     python tools/benchmark.py --optimizers          # the optimizer step, NorMuon + Adam against Adam
     python tools/benchmark.py --serving [--export EXPORT]   # vLLM serving, against vLLM's Qwen3 of the same
-                                                    # shape (needs requirements-serve.txt), ~20 minutes
+                                                    # shape (needs requirements-serve.txt), ~8 minutes
     python tools/benchmark.py --data [--megatron-lm DIR]   # corpus preparation against the raw tokenizers
                                                     # (and Megatron-LM's preprocess_data), a few minutes
     python tools/benchmark.py --quick --json bench.json

@@ -3,9 +3,12 @@
 
   * decode throughput against vLLM's native Qwen3 of the same shape (hidden, layers, heads, head
     dimension, FFN, vocabulary; random weights written locally, no download), ``--micro-batch-size``
-    (16) concurrent requests of ``--prompt-length`` (32) tokens decoding ``--new-tokens`` (256) each, with
+    (16) concurrent requests of ``--prompt-length`` (32) tokens decoding ``--new-tokens`` (64) each, with
     vLLM's default compilation and with ``enforce_eager``: FBT standard (goal ≥ 0.95) and soft
     (goal ≥ 0.92) output tokens/s over Qwen3's;
+  * the same for an FBT export with Qwen3's layer (no headwise gate, no sandwich norms, every layer
+    global; the fusion, its state and the plugin kept), for information: what the plugin costs,
+    apart from what FBT's layer computes beyond Qwen3's;
   * decode throughput of soft against standard requests (goal ≥ 0.97: the fusion adds two D×D
     products and a norm per decoded token);
   * prefill time of fused(n) against standard, 16 prompts of 256 tokens, one token generated
@@ -16,20 +19,21 @@
 The export is ``--export`` or a random one of the benchmark shape (the shape flags; ``--preset
 tiny``: 4 layers, hidden 256, FFN 768, head_dim 64) written to a temporary folder. Every engine has
 the same settings (float32, chunked prefill and prefix caching off, 32 sequences, a 256 MiB KV
-cache); vLLM's CPU backend binds its own threads (one on 2 cores). Compiled engines first, then
-eager ones, one FBT and one Qwen3 engine at a time; within each, every round runs every variant
-once (interleaved); ratios are medians over rounds.
-
-Every timed call starts with every other process at rest: it waits ``SETTLE_S`` first, longer than
-the busy-wait of vLLM's worker after its last message (``shm_broadcast.SpinCondition``, 1 s of
-``sched_yield``), because the workers of both engines are bound to the same core (vLLM binds the
-worker of every engine on a machine to the same cores), so an engine measured right after the other
-shared its core with that one's spinning worker.
+cache). The engines of one compilation live in one host process (``_host``, spawned), in that
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor): a call is the engine's own
+work, with no engine-core or worker process of another engine spinning beside it (a vLLM worker
+busy-waits 1 s after its last message, and on 2 cores every engine's worker is bound to the same
+core) and no inter-process hops, which are the same for every model and only dilute the
+differences measured. HF ``generate`` runs in this process. Every round runs every variant once in
+a rotated order (interleaved); ratios are medians over rounds of the ratios within a round: many
+short calls (about 0.2 s) instead of a few long ones, because this machine's speed moves by ±15%
+from one second to the next.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 import statistics
 import sys
@@ -43,13 +47,13 @@ from .report import format_report as report
 FLAG = "--serving"
 HELP = ("measure serving with vLLM instead: FBT / vLLM's Qwen3 decode (compiled, eager), soft / standard decode, "
         "fused(n) / standard prefill, vLLM / HF generate")
-# 256 new tokens: a decode call of about a second, long against this machine's scheduling jitter (64
-# tokens, 0.3 s calls, moved the FBT / Qwen3 ratios by ±10% from run to run)
-DEFAULTS = dict(preset="tiny", micro_batch_size=16, repeats=9, warmup=1, prompt_length=32, new_tokens=256)
+DEFAULTS = dict(preset="tiny", micro_batch_size=16, repeats=30, warmup=2, prompt_length=32, new_tokens=64)
 
 # the shape with --preset tiny: the step benchmark's (head_dim 64: vLLM's CPU attention takes 32, 64, 80, …)
 TINY_SHAPE = dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4, num_query_groups=2,
                   kv_channels=64, seq_length=1024)
+# FBT with Qwen3's layer: what the plugin costs, apart from the layer's own extra work
+QWEN3_LAYER = dict(attention_gate=False, sandwich_norm=False, sliding_window=None, layer_types=None)
 FUSED_PASSES = 2
 PREFILL = (16, 256)  # prompts × tokens
 MIXED = 32  # requests of the vLLM / HF comparison
@@ -57,13 +61,16 @@ MIXED_NEW = 32  # tokens each
 MAX_MODEL_LEN = 512
 KV_CACHE_BYTES = 256 << 20  # per engine: 16 × 96 tokens need ~6 MiB at the benchmark shape
 COMPILATIONS = ("compiled", "eager")  # vLLM's default, enforce_eager
-# rest before each timed call: > the 1 s a vLLM worker busy-waits (sched_yield) after its last message
-SETTLE_S = 1.5
+MODES = {"standard": {"decode_mode": "standard"}, "soft": {"decode_mode": "soft"},
+         "fused": {"decode_mode": "fused", "fused_prefill_passes": FUSED_PASSES}}
 
 RATIOS = [
     *(Ratio(f"serving_decode_{mode}_vs_qwen3_{c}", f"decode output tokens/s, FBT {mode} / vLLM's Qwen3 ({c})",
             f"decode-{c}", "qwen3", mode, (">=", goal)) for c in COMPILATIONS for mode, goal in (("standard", 0.95),
                                                                                                   ("soft", 0.92))),
+    *(Ratio(f"serving_decode_qwen3_layer_{mode}_vs_qwen3_{c}",
+            f"decode output tokens/s, FBT with Qwen3's layer, {mode} / Qwen3 ({c})", f"decode-{c}", "qwen3",
+            f"qwen3_layer_{mode}") for c in COMPILATIONS for mode in ("standard", "soft")),
     *(Ratio(f"serving_decode_throughput_soft_vs_standard_{c}", f"vLLM decode throughput, soft / standard ({c})",
             f"decode-{c}", "standard", "soft", (">=", 0.97)) for c in COMPILATIONS),
     *(Ratio(f"serving_prefill_time_fused{FUSED_PASSES}_vs_standard_{c}",
@@ -78,20 +85,10 @@ def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def settled(run):
-    """``run`` as a step of ``time_rounds`` that rests ``SETTLE_S`` first, then times itself: every
-    engine's worker is past its busy-wait when the call starts (the module docstring)."""
-    def step():
-        time.sleep(SETTLE_S)
-        start = time.perf_counter()
-        run()
-        return Seconds(time.perf_counter() - start)
-    return step
-
-
-def write_random_export(args, folder: Path) -> Path:
-    """A random export of the benchmark shape (``serving.synthetic``), through the export's config mapping;
-    --quick keeps the benchmark shape (the tiny preset's head_dim 16 is not one vLLM's CPU attention takes)."""
+def write_random_export(args, folder: Path, **layer) -> Path:
+    """A random export of the benchmark shape (``serving.synthetic``), through the export's config mapping,
+    with ``layer``'s config.json overrides; --quick keeps the benchmark shape (the tiny preset's head_dim 16
+    is not one vLLM's CPU attention takes)."""
     import argparse
 
     import torch
@@ -104,6 +101,7 @@ def write_random_export(args, folder: Path) -> Path:
     config = make_config(args.preset, **shape, params_dtype=torch.float32)
     h = mapping.hf_config(config, bos=None, eos=None, pad=None, with_tokenizer=False)
     h["max_position_embeddings"] = max(h["max_position_embeddings"], MAX_MODEL_LEN)
+    h.update(layer)
     return write_export(folder, seed=args.seed,
                         **{k: v for k, v in h.items() if k not in ("auto_map", "architectures", "model_type")})
 
@@ -132,37 +130,82 @@ def measure(args) -> dict:
         return _measure(args, Path(folder))
 
 
+def _host(connection, models: dict, compilation: str, seed: int) -> None:
+    """The engines of one compilation, in this (spawned) process: each request from ``connection``
+    is (model, prompts, modes, max_tokens), answered with the seconds its ``generate`` took."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.dup2(2, 1)  # vLLM logs to stdout: keep the report (the parent's stdout) clean
+    from vllm import LLM, SamplingParams
+
+    engines = {}
+    for name, model in models.items():
+        print(f"starting vLLM ({compilation}, in-process) on {model} …", file=sys.stderr, flush=True)
+        engines[name] = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32",
+                            enforce_eager=compilation == "eager", distributed_executor_backend="uni",
+                            enable_chunked_prefill=False, enable_prefix_caching=False,  # repeated prompts would skip prefills
+                            max_num_seqs=32, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=seed)
+    connection.send("ready")
+    while (request := connection.recv()) is not None:
+        name, batch, modes, max_tokens = request
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                 extra_args=MODES[m] if m else None) for m in modes]
+        start = time.perf_counter()
+        engines[name].generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        connection.send(time.perf_counter() - start)
+
+
+class EngineHost:
+    """A ``_host`` process; ``step(...)`` is a step of ``time_rounds`` that runs one call there and
+    returns the host's own timing."""
+
+    def __init__(self, models: dict, compilation: str, seed: int):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_host, args=(child, models, compilation, seed), daemon=True)
+        self.compilation = compilation
+        self.process.start()
+        child.close()
+        if self._receive() != "ready":
+            raise RuntimeError(f"the {compilation} vLLM engines sent no 'ready'")
+
+    def _receive(self):
+        try:
+            return self.connection.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(f"the process of the {self.compilation} vLLM engines exited (exit code "
+                               f"{self.process.exitcode}; its messages are above)") from None
+
+    def step(self, model: str, batch: list, modes: list, max_tokens: int):
+        def run():
+            self.connection.send((model, batch, modes, max_tokens))
+            return Seconds(self._receive())
+        return run
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.connection.send(None)
+        self.process.join()
+
+
 def _measure(args, folder: Path) -> dict:
     if not available():
         raise ValueError("--serving needs vLLM, which this environment lacks: pip install -r requirements-serve.txt "
                          "(or make serve-setup; docs/serving.md)")
     import torch
     from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     export = Path(args.export) if args.export else write_random_export(args, folder / "export")
     hf = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
     config = hf.config
-    qwen3 = write_qwen3(config, folder / "qwen3", args.seed)
-    modes = {"standard": {"decode_mode": "standard"}, "soft": {"decode_mode": "soft"},
-             "fused": {"decode_mode": "fused", "fused_prefill_passes": FUSED_PASSES}}
+    models = {"fbt": export, "qwen3": write_qwen3(config, folder / "qwen3", args.seed),
+              "qwen3_layer": write_random_export(args, folder / "qwen3_layer", **QWEN3_LAYER)}
 
     def prompts(lengths, seed):
         g = torch.Generator().manual_seed(args.seed + seed)
         return [torch.randint(4, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
-
-    def engine(model, compilation):
-        print(f"starting vLLM ({compilation}) on {model} …", file=sys.stderr, flush=True)
-        return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=compilation == "eager",
-                   enable_chunked_prefill=False, enable_prefix_caching=False,  # repeated prompts would skip prefills
-                   max_num_seqs=32, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=args.seed)
-
-    def vllm_generate(llm, batch, names, max_tokens):
-        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                 extra_args=modes[m] if m else None) for m in names]
-        return lambda: llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
 
     def hf_generate(batch, names, max_tokens):
         def run():
@@ -177,31 +220,34 @@ def _measure(args, folder: Path) -> dict:
     long = prompts([PREFILL[1]] * PREFILL[0], 2)
     mixed = prompts([8 + (37 * i) % 120 for i in range(MIXED)], 3)
     mixed_modes = [("standard", "soft", "fused")[i % 3] for i in range(MIXED)]
+    n = len(concurrent)
     times = {}
-    for compilation in COMPILATIONS:
-        fbt, native = engine(export, compilation), engine(qwen3, compilation)
-        steps = {
-            f"decode-{compilation}@standard": vllm_generate(fbt, concurrent, ["standard"] * len(concurrent), args.new_tokens),
-            f"decode-{compilation}@soft": vllm_generate(fbt, concurrent, ["soft"] * len(concurrent), args.new_tokens),
-            f"decode-{compilation}@qwen3": vllm_generate(native, concurrent, [None] * len(concurrent), args.new_tokens),
-            f"prefill-{compilation}@standard": vllm_generate(fbt, long, ["standard"] * len(long), 1),
-            f"prefill-{compilation}@fused": vllm_generate(fbt, long, ["fused"] * len(long), 1),
-        }
-        if compilation == "compiled":
-            steps["generate@vllm"] = vllm_generate(fbt, mixed, mixed_modes, MIXED_NEW)
-            steps["generate@hf"] = hf_generate(mixed, mixed_modes, MIXED_NEW)
-        steps = {name: settled(run) for name, run in steps.items()}
-        with progress((args.warmup + args.repeats) * len(steps), f"serving benchmark ({compilation})", "call") as bar:
-            time_rounds(steps, args.warmup, bar)
-            times.update(time_rounds(steps, args.repeats, bar))
-        for llm in (fbt, native):
-            llm.llm_engine.engine_core.shutdown()
+    for c in COMPILATIONS:
+        host = EngineHost(models, c, args.seed)
+        try:
+            steps = {
+                f"decode-{c}@standard": host.step("fbt", concurrent, ["standard"] * n, args.new_tokens),
+                f"decode-{c}@soft": host.step("fbt", concurrent, ["soft"] * n, args.new_tokens),
+                f"decode-{c}@qwen3": host.step("qwen3", concurrent, [None] * n, args.new_tokens),
+                f"decode-{c}@qwen3_layer_standard": host.step("qwen3_layer", concurrent, ["standard"] * n, args.new_tokens),
+                f"decode-{c}@qwen3_layer_soft": host.step("qwen3_layer", concurrent, ["soft"] * n, args.new_tokens),
+                f"prefill-{c}@standard": host.step("fbt", long, ["standard"] * len(long), 1),
+                f"prefill-{c}@fused": host.step("fbt", long, ["fused"] * len(long), 1),
+            }
+            if c == "compiled":
+                steps["generate@vllm"] = host.step("fbt", mixed, mixed_modes, MIXED_NEW)
+                steps["generate@hf"] = hf_generate(mixed, mixed_modes, MIXED_NEW)
+            with progress((args.warmup + args.repeats) * len(steps), f"serving benchmark ({c})", "call") as bar:
+                time_rounds(steps, args.warmup, bar)
+                times.update(time_rounds(steps, args.repeats, bar))
+        finally:
+            host.close()
     ratios = {r.key: r.result(median_ratio(times[f"{r.kind}@{r.numerator}"], times[f"{r.kind}@{r.denominator}"]))
               for r in RATIOS}
-    tokens = {"decode": len(concurrent) * args.new_tokens, "prefill": PREFILL[0], "generate": MIXED * MIXED_NEW}
+    tokens = {"decode": n * args.new_tokens, "prefill": PREFILL[0], "generate": MIXED * MIXED_NEW}
     return dict(
         settings=dict(export=str(export), hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-                      vocab_size=config.vocab_size, concurrent=len(concurrent), prompt_length=args.prompt_length,
+                      vocab_size=config.vocab_size, concurrent=n, prompt_length=args.prompt_length,
                       new_tokens=args.new_tokens, fused_prefill_passes=FUSED_PASSES,
                       **settings(args, load_before)),
         seconds={name: statistics.median(t) for name, t in times.items()},
@@ -221,6 +267,8 @@ def format_report(results: dict) -> str:
             f"decode-{c}@qwen3": f"{decode}, vLLM's Qwen3 ({c})",
             f"decode-{c}@standard": f"{decode}, FBT standard ({c})",
             f"decode-{c}@soft": f"{decode}, FBT soft ({c})",
+            f"decode-{c}@qwen3_layer_standard": f"{decode}, FBT with Qwen3's layer, standard ({c})",
+            f"decode-{c}@qwen3_layer_soft": f"{decode}, FBT with Qwen3's layer, soft ({c})",
             f"prefill-{c}@standard": f"prefill, {PREFILL[0]} × {PREFILL[1]} tokens, standard ({c})",
             f"prefill-{c}@fused": f"prefill, {PREFILL[0]} × {PREFILL[1]} tokens, fused({s['fused_prefill_passes']}) ({c})",
         })
@@ -228,4 +276,4 @@ def format_report(results: dict) -> str:
     labels["generate@hf"] = f"{MIXED} mixed requests × {MIXED_NEW} tokens, HF generate"
     rows = [[label, f"{1e3 * results['seconds'][name]:,.0f}",
              f"{results['output_tokens'][name] / results['seconds'][name]:,.0f}"] for name, label in labels.items()]
-    return report(results, title, [("variant", 58), ("ms", 9), ("output tokens/s", 16)], rows)
+    return report(results, title, [("variant", 70), ("ms", 9), ("output tokens/s", 16)], rows)
