@@ -475,3 +475,26 @@ def test_evaluation_backend_flag():
     assert _backend(["run", "--model", "fbt"]) == (["run", "--model", "fbt"], "hf")
     with pytest.raises(ValueError, match="choose hf or vllm"):
         _backend(["--backend", "tpu"])
+
+
+def test_serving_benchmark_runs_end_to_end(tmp_path):
+    """``tools/benchmark.py --serving``, one round of short calls (its timing goals are not tested):
+    the engines of each compilation in their host process, every ratio in the JSON, the report alone
+    on stdout (vLLM's log lines go to stderr)."""
+    out = tmp_path / "serving.json"
+    done = subprocess.run([sys.executable, "tools/benchmark.py", "--serving", "--repeats", "1", "--warmup", "0",
+                           "--new-tokens", "4", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ratios = json.loads(out.read_text())["ratios"]
+    modes = ("standard", "soft")
+    compilations = ("compiled", "eager")
+    assert set(ratios) == {
+        *(f"serving_decode_{m}_vs_qwen3_{c}" for m in modes for c in compilations),
+        *(f"serving_decode_qwen3_layer_{m}_vs_qwen3_{c}" for m in modes for c in compilations),
+        *(f"serving_decode_throughput_soft_vs_standard_{c}" for c in compilations),
+        *(f"serving_prefill_time_fused2_vs_standard_{c}" for c in compilations),
+        "serving_generate_vllm_vs_hf"}
+    for key, r in ratios.items():
+        assert r["value"] > 0 and r["status"] in {"PASS", "MISS", "info"}, (key, r)
+    assert "FBT with Qwen3's layer" in done.stdout and "INFO" not in done.stdout, done.stdout[-2000:]
