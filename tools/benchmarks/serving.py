@@ -23,9 +23,9 @@ cache). The engines of one compilation live in one host process (``_host``, spaw
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor): a call is the engine's own
 work, with no engine-core or worker process of another engine spinning beside it (a vLLM worker
 busy-waits 1 s after its last message, and on 2 cores every engine's worker is bound to the same
-core) and no inter-process hops, which are the same for every model and only dilute the
-differences measured. HF ``generate`` runs in the benchmark's own process. Every round runs every variant once in
-a rotated order (interleaved); ratios are medians over rounds of the ratios within a round: many
+core) and no inter-process hops, which are the same for every model and only dilute the differences
+measured. HF ``generate`` runs in the benchmark's own process. Every round runs every variant once
+in a rotated order (interleaved); ratios are medians over rounds of the ratios within a round: many
 short calls (about 0.2 s) instead of a few long ones, because this machine's speed moves by ±15%
 from one second to the next.
 """
