@@ -3,7 +3,9 @@
 Layers as ``convert/hf/modeling_fbt.py`` defines them, built from vLLM's (tensor-parallel linear
 layers, per-layer sliding-window attention, neox RoPE, RMSNorm): q/k RMSNorm over head_dim before
 RoPE, the headwise sigmoid gate on each head's output, sandwich norms with the residual scale α, a
-SwiGLU MLP, the final norm and the tied embedding. The FBT fusion
+SwiGLU MLP, the final norm and the tied embedding. The residual stream is carried as vLLM's models
+carry it (each norm adds the previous branch's output first: vLLM's fused add + RMSNorm), with α
+folded into the weights of each branch's last step once loaded (``fold_residual_scale``). The FBT fusion
 
     u_t = RMSNorm(W_U s_{t-1} ⊙ sigmoid(W_G e_t))
 
@@ -15,12 +17,17 @@ with ``enforce_eager``): the same tensor program for every step, whatever its re
 token's input is ``where(reads, fuse(carried, e_t), e_t)`` and every token's top state is written to
 its slot (scratch for all but a soft/fused request's last token), through the state's index tensors
 at fixed addresses, with nothing data-dependent in Python: what CUDA graphs can capture per batch
-size. Standard tokens pay for a fusion they discard (two D×D products each). A step's plan says how
-many passes it runs (``FBTForCausalLM.forward``, outside the graph): one in decode steps and plain
-prefills; n + 1 for a fused(n) prompt, more for chained decoded positions, each pass after the first
+size. Standard tokens pay for a fusion they discard (a D×D product and a norm each). A step's plan
+says how many passes it runs (``FBTForCausalLM.forward``, outside the graph): one in decode steps and
+plain prefills; n + 1 for a fused(n) prompt, more for chained decoded positions, each pass after the first
 preceded by the carry of the previous pass's top states (``FeedbackState.carry``, a few tensor ops).
 vLLM's profile, dummy and warm-up runs (which compile the pass) find the index tensors neutral, so
 they read and write scratch only.
+
+Norms are vLLM's ``RMSNorm`` (``FBTRMSNorm``): compiled, its native form, fused by inductor with its
+neighbours; in eager steps on CPU they call vLLM's CPU kernels (``torch.ops._C.rms_norm``,
+``fused_add_rms_norm``), one call each where vLLM's ``RMSNorm`` runs its native form (about ten ops:
+its kernel choice lists those kernels for GPUs only); on GPUs, vLLM's own choice.
 
 Weights load from the export's safetensors names. Three different weights are called ``gate_proj``:
 ``self_attn.gate_proj`` (the headwise gate, appended to ``qkv_proj`` once loaded: one GEMM per layer),
@@ -56,6 +63,25 @@ from vllm.sequence import IntermediateTensors
 from fbt_megatron.serving.state import FeedbackState
 
 
+class FBTRMSNorm(RMSNorm):
+    """vLLM's RMSNorm (``norm(x)``, or ``norm(x, residual)`` → (RMSNorm(x + residual), x + residual)),
+    with vLLM's CPU kernels in eager steps (the module docstring); a strided input (a q/k head split)
+    is copied to rows first, and a width the kernels' vectors do not divide takes the native form."""
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.shape[-1] % 16:
+            return self.forward_native(x, residual)
+        if residual is None:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel reads whole rows
+            out = torch.empty_like(rows)
+            torch.ops._C.rms_norm(out, rows, self.weight.data, self.variance_epsilon)
+            return out.view(x.shape)
+        if not (x.is_contiguous() and residual.is_contiguous()):
+            return self.forward_native(x, residual)
+        torch.ops._C.fused_add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)  # in place
+        return x, residual
+
+
 class FBTAttention(nn.Module):
     def __init__(self, config, layer_idx: int, cache_config, quant_config, prefix: str):
         super().__init__()
@@ -69,8 +95,8 @@ class FBTAttention(nn.Module):
                                           bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, d, bias=False,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = FBTRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = FBTRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         # the headwise gate: one row per query head, split across ranks with the heads; loaded on its own,
         # then folded into qkv_proj (``fold_gate``)
         self.gate_proj = (ColumnParallelLinear(d, config.num_attention_heads, bias=False, quant_config=None,
@@ -95,7 +121,7 @@ class FBTAttention(nn.Module):
         self.qkv_proj.weight = nn.Parameter(torch.cat([qkv.data, self.gate_proj.weight.data]), requires_grad=False)
         self.gate_size, self.gate_proj = self.gate_proj.weight.shape[0], None
 
-    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    def _norm_heads(self, x: torch.Tensor, norm: FBTRMSNorm) -> torch.Tensor:
         return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -128,51 +154,73 @@ class FBTMLP(nn.Module):
 
 class FBTDecoderLayer(nn.Module):
     """h ← h + α·post_attention_layernorm(Attn(input_layernorm(h)));
-    h ← h + α·post_feedforward_layernorm(MLP(pre_feedforward_layernorm(h)))."""
+    h ← h + α·post_feedforward_layernorm(MLP(pre_feedforward_layernorm(h))),
+    carried as (the last branch's output, the stream before it), α in the branches' weights."""
 
     def __init__(self, config, layer_idx: int, cache_config, quant_config, prefix: str):
         super().__init__()
         eps, d = config.rms_norm_eps, config.hidden_size
         self.alpha = float(config.residual_scale)
-        self.input_layernorm = RMSNorm(d, eps=eps)
+        self.input_layernorm = FBTRMSNorm(d, eps=eps)
         self.self_attn = FBTAttention(config, layer_idx, cache_config, quant_config, f"{prefix}.self_attn")
-        self.pre_feedforward_layernorm = RMSNorm(d, eps=eps)
+        self.pre_feedforward_layernorm = FBTRMSNorm(d, eps=eps)
         self.mlp = FBTMLP(config, quant_config, f"{prefix}.mlp")
-        self.post_attention_layernorm = RMSNorm(d, eps=eps) if config.sandwich_norm else None
-        self.post_feedforward_layernorm = RMSNorm(d, eps=eps) if config.sandwich_norm else None
+        self.post_attention_layernorm = FBTRMSNorm(d, eps=eps) if config.sandwich_norm else None
+        self.post_feedforward_layernorm = FBTRMSNorm(d, eps=eps) if config.sandwich_norm else None
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        out = self.self_attn(positions, self.input_layernorm(h))
+    def fold_residual_scale(self) -> None:
+        """After loading: α into the last weights of each branch (the sandwich norms' gains, or
+        o_proj and down_proj without them), so the stream adds the branch's output as it is: the
+        same values up to rounding (α·(g·x) becomes (α·g)·x)."""
+        last = ((self.post_attention_layernorm, self.post_feedforward_layernorm)
+                if self.post_attention_layernorm is not None else (self.self_attn.o_proj, self.mlp.down_proj))
+        for module in last:
+            module.weight.data.mul_(self.alpha)
+
+    def forward(self, positions: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None):
+        """(the previous layer's last branch output, the stream before it; for the first layer the
+        input and None) → this layer's."""
+        if residual is None:
+            x, residual = self.input_layernorm(out), out
+        else:
+            x, residual = self.input_layernorm(out, residual)
+        out = self.self_attn(positions, x)
         if self.post_attention_layernorm is not None:
             out = self.post_attention_layernorm(out)
-        h = torch.add(h, out, alpha=self.alpha)
-        out = self.mlp(self.pre_feedforward_layernorm(h))
+        x, residual = self.pre_feedforward_layernorm(out, residual)
+        out = self.mlp(x)
         if self.post_feedforward_layernorm is not None:
             out = self.post_feedforward_layernorm(out)
-        return torch.add(h, out, alpha=self.alpha)
+        return out, residual
 
 
 class FBTFeedbackFusion(nn.Module):
-    """u = norm(up_proj(s) ⊙ sigmoid(gate_proj(e))), up_proj = W_U, gate_proj = W_G (replicated)."""
+    """u = norm(up_proj(s) ⊙ sigmoid(gate_proj(e))), up_proj = W_U, gate_proj = W_G (replicated).
+
+    sigmoid(W_G e_t) depends on the token alone: once loaded, ``gates`` holds it for every token of
+    the vocabulary (``tabulate``; split over tensor-parallel ranks as the embedding is, V×D more
+    memory), so a pass looks the token's gate up where it would multiply by W_G (one D×D product
+    less per token; on GPUs, W_G no longer read every decode step). Prompt embeddings given without
+    tokens take the product."""
 
     def __init__(self, config, prefix: str):
         super().__init__()
         d = config.hidden_size
         self.up_proj = ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.up_proj")
         self.gate_proj = ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.gate_proj")
-        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.norm = FBTRMSNorm(d, eps=config.rms_norm_eps)
+        self.gates = VocabParallelEmbedding(config.vocab_size, d, prefix=f"{prefix}.gates")
 
-    def gate(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """sigmoid(W_G e): depends on the tokens only, so a multi-pass step computes it once."""
-        return torch.sigmoid(self.gate_proj(embeddings)[0])
+    @torch.no_grad()
+    def tabulate(self, embedding: VocabParallelEmbedding) -> None:
+        """After loading (before vLLM prepares the linear layers' kernels): every token's sigmoid(W_G e),
+        this rank's rows of the embedding."""
+        self.gates.weight.copy_(torch.sigmoid(nn.functional.linear(embedding.weight, self.gate_proj.weight)))
 
-    def fuse(self, carried: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, carried: torch.Tensor, input_ids: torch.Tensor | None, embeddings: torch.Tensor) -> torch.Tensor:
+        gate = self.gates(input_ids) if input_ids is not None else torch.sigmoid(self.gate_proj(embeddings)[0])
         up, _ = self.up_proj(carried)
-        # torch's fused RMSNorm: one kernel where vLLM's native CPU path runs six (decode steps are op-bound)
-        return nn.functional.rms_norm(up * gate, self.norm.weight.shape, self.norm.weight, self.norm.variance_epsilon)
-
-    def forward(self, carried: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        return self.fuse(carried, self.gate(embeddings))
+        return self.norm(up * gate)
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
@@ -187,7 +235,7 @@ class FBTModel(nn.Module):
         self.layers = nn.ModuleList(
             FBTDecoderLayer(config, i, cache_config, quant_config, f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = FBTRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.feedback = self.feedback_state = None
         if config.latent_feedback:
             scheduler = vllm_config.scheduler_config
@@ -206,7 +254,7 @@ class FBTModel(nn.Module):
         if state is None:  # a baseline export
             return self.stack(positions, e)[1]
         n = e.shape[0]
-        x = torch.where(state.token_reads[:n], self.feedback(state.carried[:n], e), e)
+        x = torch.where(state.token_reads[:n], self.feedback(state.carried[:n], input_ids, e), e)
         hidden, normed = self.stack(positions, x)
         top = self.top_state(hidden, normed)
         state.write(top)
@@ -214,10 +262,11 @@ class FBTModel(nn.Module):
 
     def stack(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass: inputs → (h_L, RMSNorm_final(h_L))."""
-        h = x
+        out, residual = x, None
         for layer in self.layers:
-            h = layer(positions, h)
-        return h, self.norm(h)
+            out, residual = layer(positions, out, residual)
+        normed, hidden = self.norm(out, residual)
+        return hidden, normed
 
     def top_state(self, hidden: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         return normed if self.config.feedback_source == "final_norm" else hidden
@@ -283,4 +332,8 @@ class FBTForCausalLM(nn.Module):
             loaded.add(target)
         for layer in self.model.layers:
             layer.self_attn.fold_gate()
+            layer.fold_residual_scale()
+        if self.model.feedback is not None:
+            self.model.feedback.tabulate(self.model.embed_tokens)
+            loaded.add("model.feedback.gates.weight")  # made from the loaded weights
         return loaded

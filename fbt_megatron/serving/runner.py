@@ -35,20 +35,21 @@ def _mode(request, defaults):
     return mode
 
 
-def step_rows(runner, defaults) -> list:
-    """The step's requests in the packed batch's order."""
+def step_rows(runner, defaults) -> tuple[int, list]:
+    """The step's token count and its soft/fused requests in the packed batch's order (standard
+    requests need nothing of the state)."""
     batch = runner.input_batch
     num_reqs = batch.num_reqs
-    starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
-    computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
+    starts = runner.query_start_loc.np
     rows = []
     for i, req_id in enumerate(batch.req_ids[:num_reqs]):
         request = runner.requests[req_id]
-        prompt = request.num_prompt_tokens
         mode = _mode(request, defaults)
-        length = min(mode.prompt_length or prompt, prompt)
-        rows.append(Row(req_id, starts[i], starts[i + 1], computed[i], length, mode))
-    return rows
+        if mode.feedback:
+            prompt = request.num_prompt_tokens
+            rows.append(Row(req_id, int(starts[i]), int(starts[i + 1]), int(batch.num_computed_tokens_cpu[i]),
+                            min(mode.prompt_length or prompt, prompt), mode))
+    return int(starts[num_reqs]), rows
 
 
 def install() -> None:
@@ -77,7 +78,7 @@ def install() -> None:
         defaults = getattr(self, "_fbt_defaults", None)
         if defaults is None:
             defaults = self._fbt_defaults = export_defaults(self.model_config.hf_config, self.scheduler_config)
-        state.prepare(step_rows(self, defaults))
+        state.prepare(*step_rows(self, defaults))
         try:
             return model_forward(self, *args, **kwargs)
         finally:

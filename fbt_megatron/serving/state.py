@@ -107,20 +107,23 @@ class FeedbackState:
         return slot
 
     # ------------------------------------------------------------ a step
-    def prepare(self, rows: List[Row]) -> StepPlan:
-        """Fill the step's index tensors and return its plan."""
-        num_tokens = rows[-1].end if rows else 0
-        host = self._host
-        token_reads, token_write = host["token_reads"], host["token_write"]
-        for array in host.values():  # neutral already after ``finish``; kept so after a failed step
-            array[:num_tokens] = 0
+    def prepare(self, num_tokens: int, rows: List[Row]) -> StepPlan:
+        """Fill the step's index tensors for its soft/fused ``rows`` and return its plan; its other
+        tokens keep the tensors' neutral state (no reads, writes to scratch). A step whose plan
+        cannot be made leaves them neutral."""
+        try:
+            return self._prepare(num_tokens, rows)
+        except BaseException:
+            self.plan = StepPlan(num_tokens, 1, None, None, True)
+            self.finish()
+            raise
+
+    def _prepare(self, num_tokens: int, rows: List[Row]) -> StepPlan:
+        token_write = self._host["token_write"]
         fuse_index: List[np.ndarray] = []
         fuse_until: List[np.ndarray] = []
-        passes, feedback = 1, False
+        passes = 1
         for row in rows:
-            if not row.mode.feedback:
-                continue
-            feedback = True
             slot = self._slot(row.req_id)
             token_write[row.end - 1] = slot
             p, t0, count = row.prompt_length, row.first_position, row.end - row.start
@@ -149,9 +152,11 @@ class FeedbackState:
                 fuse_until.append(np.full(len(chained), UNBOUNDED))
             passes = max(passes, base + len(chained))
             self._position[slot] = t0 + count - 1
+        feedback = bool(rows)
         if feedback and not self._shared:
             for name in ("token_slot", "token_reads", "token_write"):
-                getattr(self, name)[:num_tokens].copy_(torch.from_numpy(host[name][:num_tokens]), non_blocking=True)
+                getattr(self, name)[:num_tokens].copy_(torch.from_numpy(self._host[name][:num_tokens]),
+                                                       non_blocking=True)
         index = until = None
         if fuse_index:
             device = self.buffer.device
@@ -184,8 +189,11 @@ class FeedbackState:
         self._host["token_reads"][row.start] = True
 
     def gather(self, num_tokens: int) -> None:
-        """Before pass 1: every token's fed-back state from its slot (scratch's where it reads none)."""
-        torch.index_select(self.buffer, 0, self.token_slot[:num_tokens], out=self.carried[:num_tokens])
+        """Before pass 1: every token's fed-back state from its slot (scratch's where it reads none).
+        Skipped in a step whose plan reads none (its fusions are discarded); a forward outside the
+        plan (``plan`` None: vLLM's dummy runs, CUDA-graph capture) gathers."""
+        if self.plan is None or self.plan.feedback:
+            torch.index_select(self.buffer, 0, self.token_slot[:num_tokens], out=self.carried[:num_tokens])
 
     def carry(self, top: torch.Tensor, plan: StepPlan, j: int) -> None:
         """Before pass j > 1: the tokens the plan still fuses at pass j take s^{(j-1)}_{t-1}, the top

@@ -6,9 +6,10 @@
     (16) concurrent requests of ``--prompt-length`` (32) tokens decoding ``--new-tokens`` (64) each, with
     vLLM's default compilation and with ``enforce_eager``: FBT standard (goal ≥ 0.95) and soft
     (goal ≥ 0.92) output tokens/s over Qwen3's;
-  * the same for an FBT export with Qwen3's layer (no headwise gate, no sandwich norms, every layer
-    global; the fusion, its state and the plugin kept), for information: what the plugin costs,
-    apart from what FBT's layer computes beyond Qwen3's;
+  * for information, the same for two variants of the FBT export: every layer global (FBT's layer
+    without sliding windows: what two KV-cache groups cost in vLLM's scheduler and attention
+    metadata), standard; and Qwen3's layer (no headwise gate, no sandwich norms, every layer global;
+    the fusion, its state and the plugin kept): what the plugin costs, apart from FBT's layer;
   * decode throughput of soft against standard requests (goal ≥ 0.97: the fusion adds two D×D
     products and a norm per decoded token);
   * prefill time of fused(n) against standard, 16 prompts of 256 tokens, one token generated
@@ -52,8 +53,10 @@ DEFAULTS = dict(preset="tiny", micro_batch_size=16, repeats=30, warmup=2, prompt
 # the shape with --preset tiny: the step benchmark's (head_dim 64: vLLM's CPU attention takes 32, 64, 80, …)
 TINY_SHAPE = dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4, num_query_groups=2,
                   kv_channels=64, seq_length=1024)
+# FBT's layer with every layer global: what sliding windows cost (two KV-cache groups in vLLM)
+GLOBAL_LAYERS = dict(sliding_window=None, layer_types=None)
 # FBT with Qwen3's layer: what the plugin costs, apart from the layer's own extra work
-QWEN3_LAYER = dict(attention_gate=False, sandwich_norm=False, sliding_window=None, layer_types=None)
+QWEN3_LAYER = dict(attention_gate=False, sandwich_norm=False, **GLOBAL_LAYERS)
 FUSED_PASSES = 2
 PREFILL = (16, 256)  # prompts × tokens
 MIXED = 32  # requests of the vLLM / HF comparison
@@ -68,6 +71,9 @@ RATIOS = [
     *(Ratio(f"serving_decode_{mode}_vs_qwen3_{c}", f"decode output tokens/s, FBT {mode} / vLLM's Qwen3 ({c})",
             f"decode-{c}", "qwen3", mode, (">=", goal)) for c in COMPILATIONS for mode, goal in (("standard", 0.95),
                                                                                                   ("soft", 0.92))),
+    *(Ratio(f"serving_decode_global_standard_vs_qwen3_{c}",
+            f"decode output tokens/s, FBT with every layer global, standard / Qwen3 ({c})", f"decode-{c}", "qwen3",
+            "global_standard") for c in COMPILATIONS),
     *(Ratio(f"serving_decode_qwen3_layer_{mode}_vs_qwen3_{c}",
             f"decode output tokens/s, FBT with Qwen3's layer, {mode} / Qwen3 ({c})", f"decode-{c}", "qwen3",
             f"qwen3_layer_{mode}") for c in COMPILATIONS for mode in ("standard", "soft")),
@@ -201,6 +207,7 @@ def _measure(args, folder: Path) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
     config = hf.config
     models = {"fbt": export, "qwen3": write_qwen3(config, folder / "qwen3", args.seed),
+              "global": write_random_export(args, folder / "global", **GLOBAL_LAYERS),
               "qwen3_layer": write_random_export(args, folder / "qwen3_layer", **QWEN3_LAYER)}
 
     def prompts(lengths, seed):
@@ -229,6 +236,7 @@ def _measure(args, folder: Path) -> dict:
                 f"decode-{c}@standard": host.step("fbt", concurrent, ["standard"] * n, args.new_tokens),
                 f"decode-{c}@soft": host.step("fbt", concurrent, ["soft"] * n, args.new_tokens),
                 f"decode-{c}@qwen3": host.step("qwen3", concurrent, [None] * n, args.new_tokens),
+                f"decode-{c}@global_standard": host.step("global", concurrent, ["standard"] * n, args.new_tokens),
                 f"decode-{c}@qwen3_layer_standard": host.step("qwen3_layer", concurrent, ["standard"] * n, args.new_tokens),
                 f"decode-{c}@qwen3_layer_soft": host.step("qwen3_layer", concurrent, ["soft"] * n, args.new_tokens),
                 f"prefill-{c}@standard": host.step("fbt", long, ["standard"] * len(long), 1),
@@ -267,6 +275,7 @@ def format_report(results: dict) -> str:
             f"decode-{c}@qwen3": f"{decode}, vLLM's Qwen3 ({c})",
             f"decode-{c}@standard": f"{decode}, FBT standard ({c})",
             f"decode-{c}@soft": f"{decode}, FBT soft ({c})",
+            f"decode-{c}@global_standard": f"{decode}, FBT with every layer global, standard ({c})",
             f"decode-{c}@qwen3_layer_standard": f"{decode}, FBT with Qwen3's layer, standard ({c})",
             f"decode-{c}@qwen3_layer_soft": f"{decode}, FBT with Qwen3's layer, soft ({c})",
             f"prefill-{c}@standard": f"prefill, {PREFILL[0]} × {PREFILL[1]} tokens, standard ({c})",
