@@ -275,7 +275,7 @@ def format_report(results: dict) -> str:
             f"decode-{c}@qwen3": f"{decode}, vLLM's Qwen3 ({c})",
             f"decode-{c}@standard": f"{decode}, FBT standard ({c})",
             f"decode-{c}@soft": f"{decode}, FBT soft ({c})",
-            f"decode-{c}@global_standard": f"{decode}, FBT with every layer global, standard ({c})",
+            f"decode-{c}@global_standard": f"{decode}, FBT, every layer global, standard ({c})",
             f"decode-{c}@qwen3_layer_standard": f"{decode}, FBT with Qwen3's layer, standard ({c})",
             f"decode-{c}@qwen3_layer_soft": f"{decode}, FBT with Qwen3's layer, soft ({c})",
             f"prefill-{c}@standard": f"prefill, {PREFILL[0]} × {PREFILL[1]} tokens, standard ({c})",
