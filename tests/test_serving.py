@@ -494,6 +494,8 @@ def test_serving_benchmark_runs_end_to_end(tmp_path):
     assert set(ratios) == {
         *(f"serving_decode_{m}_vs_qwen3_{c}" for m in modes for c in compilations),
         *(f"serving_decode_global_standard_vs_qwen3_{c}" for c in compilations),
+        *(f"serving_decode_{m}_vs_gemma3_{c}" for m in modes for c in compilations),
+        *(f"serving_decode_gemma3_vs_qwen3_{c}" for c in compilations),
         *(f"serving_decode_qwen3_layer_{m}_vs_qwen3_{c}" for m in modes for c in compilations),
         *(f"serving_decode_throughput_soft_vs_standard_{c}" for c in compilations),
         *(f"serving_prefill_time_fused2_vs_standard_{c}" for c in compilations),

@@ -9,18 +9,20 @@ folded into the weights of each branch's last step once loaded (``fold_residual_
 
     u_t = RMSNorm(W_U s_{t-1} ⊙ sigmoid(W_G e_t))
 
-takes s_{t-1} from the persistent state buffer or from the previous pass of the same step, as the
-step's plan says (``state``).
+takes W_U s_{t-1} from ``carried``, which the state fills before each pass from the persistent
+state buffer or from the previous pass of the same step, as the step's plan says (``state``).
 
 A pass is ``FBTModel.forward``, compiled by vLLM (``support_torch_compile``; its default on CPU, off
 with ``enforce_eager``): the same tensor program for every step, whatever its requests are. Every
 token's input is ``where(reads, fuse(carried, e_t), e_t)`` and every token's top state is written to
 its slot (scratch for all but a soft/fused request's last token), through the state's index tensors
 at fixed addresses, with nothing data-dependent in Python: what CUDA graphs can capture per batch
-size. Standard tokens pay for a fusion they discard (a D×D product and a norm each). A step's plan
-says how many passes it runs (``FBTForCausalLM.forward``, outside the graph): one in decode steps and
-plain prefills; n + 1 for a fused(n) prompt, more for chained decoded positions, each pass after the first
-preceded by the carry of the previous pass's top states (``FeedbackState.carry``, a few tensor ops).
+size. Standard tokens pay for a fusion they discard (a gate lookup, a product and a norm each; no
+GEMM: W_U is applied outside the pass, to the states read). A step's plan says how many passes it
+runs (``FBTForCausalLM.forward``, outside the graph): one in decode steps and plain prefills; n + 1
+for a fused(n) prompt, more for chained decoded positions, each pass after the first preceded by the
+carry of the previous pass's top states (``FeedbackState.carry``: an index copy and W_U over the
+carried tokens). With CUDA graphs, ``gather`` and ``carry`` run outside the captured pass.
 vLLM's profile, dummy and warm-up runs (which compile the pass) find the index tensors neutral, so
 they read and write scratch only.
 
@@ -197,11 +199,13 @@ class FBTDecoderLayer(nn.Module):
 class FBTFeedbackFusion(nn.Module):
     """u = norm(up_proj(s) ⊙ sigmoid(gate_proj(e))), up_proj = W_U, gate_proj = W_G (replicated).
 
-    sigmoid(W_G e_t) depends on the token alone: once loaded, ``gates`` holds it for every token of
-    the vocabulary (``tabulate``; split over tensor-parallel ranks as the embedding is, V×D more
-    memory), so a pass looks the token's gate up where it would multiply by W_G (one D×D product
-    less per token; on GPUs, W_G no longer read every decode step). Prompt embeddings given without
-    tokens take the product."""
+    W_U s is taken where the state is taken, outside the compiled pass (``project``, called by the
+    state's ``gather`` and ``carry``), for the tokens that read a state only: a pass multiplies
+    nothing by W_U, and a step of standard requests takes no product at all. sigmoid(W_G e_t)
+    depends on the token alone: once loaded, ``gates`` holds it for every token of the vocabulary
+    (``tabulate``; split over tensor-parallel ranks as the embedding is, V×D more memory), so a pass
+    looks the token's gate up (on GPUs, W_G is not read every decode step). Prompt embeddings given
+    without tokens take the product."""
 
     def __init__(self, config, prefix: str):
         super().__init__()
@@ -217,10 +221,14 @@ class FBTFeedbackFusion(nn.Module):
         this rank's rows of the embedding."""
         self.gates.weight.copy_(torch.sigmoid(nn.functional.linear(embedding.weight, self.gate_proj.weight)))
 
-    def forward(self, carried: torch.Tensor, input_ids: torch.Tensor | None, embeddings: torch.Tensor) -> torch.Tensor:
+    def project(self, states: torch.Tensor) -> torch.Tensor:
+        """W_U s for the states a step's tokens read."""
+        return self.up_proj(states)[0]
+
+    def forward(self, projected: torch.Tensor, input_ids: torch.Tensor | None, embeddings: torch.Tensor) -> torch.Tensor:
+        """projected: W_U s_{t-1} (``project``); embeddings: e_t."""
         gate = self.gates(input_ids) if input_ids is not None else torch.sigmoid(self.gate_proj(embeddings)[0])
-        up, _ = self.up_proj(carried)
-        return self.norm(up * gate)
+        return self.norm(projected * gate)
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
@@ -297,10 +305,11 @@ class FBTForCausalLM(nn.Module):
         if state is None:
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         plan = state.plan  # None in profile / dummy runs: one pass, the index tensors neutral
-        state.gather(positions.shape[-1])
+        project = self.model.feedback.project
+        state.gather(project)
         for j in range(1, (plan.passes if plan is not None else 1) + 1):
             if j > 1:
-                state.carry(top, plan, j)
+                state.carry(top, plan, j, project)
             normed, top = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         return normed
 

@@ -17,9 +17,12 @@ On GPUs vLLM 0.32 defaults to "model runner V2", whose per-request hook is the m
 from __future__ import annotations
 
 import functools
+from typing import Optional
+
+import numpy as np
 
 from fbt_megatron.serving.requests import request_mode
-from fbt_megatron.serving.state import Row
+from fbt_megatron.serving.state import Rows
 
 
 def _feedback(runner):
@@ -35,21 +38,24 @@ def _mode(request, defaults):
     return mode
 
 
-def step_rows(runner, defaults) -> tuple[int, list]:
-    """The step's token count and its soft/fused requests in the packed batch's order (standard
-    requests need nothing of the state)."""
-    batch = runner.input_batch
+def step_rows(runner, defaults) -> tuple[int, Optional[Rows]]:
+    """The step's token count and its soft/fused requests in the packed batch's order (None when it
+    has none: standard requests need nothing of the state)."""
+    batch, requests = runner.input_batch, runner.requests
     num_reqs = batch.num_reqs
     starts = runner.query_start_loc.np
-    rows = []
-    for i, req_id in enumerate(batch.req_ids[:num_reqs]):
-        request = runner.requests[req_id]
-        mode = _mode(request, defaults)
-        if mode.feedback:
-            prompt = request.num_prompt_tokens
-            rows.append(Row(req_id, int(starts[i]), int(starts[i + 1]), int(batch.num_computed_tokens_cpu[i]),
-                            min(mode.prompt_length or prompt, prompt), mode))
-    return int(starts[num_reqs]), rows
+    ids = batch.req_ids[:num_reqs]
+    modes = [_mode(requests[req_id], defaults) for req_id in ids]
+    picked = [i for i, mode in enumerate(modes) if mode.feedback]
+    num_tokens = int(starts[num_reqs])
+    if not picked:
+        return num_tokens, None
+    index = np.array(picked)
+    prompt = np.array([requests[ids[i]].num_prompt_tokens for i in picked])
+    scored = np.array([modes[i].prompt_length or prompt[k] for k, i in enumerate(picked)])
+    return num_tokens, Rows([ids[i] for i in picked], [modes[i] for i in picked], starts[index].astype(np.int64),
+                            starts[index + 1].astype(np.int64), batch.num_computed_tokens_cpu[index].astype(np.int64),
+                            np.minimum(scored, prompt))
 
 
 def install() -> None:

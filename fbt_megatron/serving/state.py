@@ -2,14 +2,16 @@
 
 The model keeps ``buffer`` [slots, hidden]: row ``s`` holds the top state of the latest computed
 position of the request that owns slot ``s`` (the EAGLE/MTP pattern of the paper's appendix D). The
-buffer, ``carried`` [tokens, hidden] (each token's fed-back state in the current pass) and the
-per-token index tensors are allocated once (their addresses never change). Slot 0 is scratch:
-every token that is not the last of a soft/fused request writes there. Per token of a step,
-``token_slot`` says which slot it takes its state from before pass 1, ``token_reads`` whether its
-input is fused, ``token_write`` which slot its top state goes to. A pass is then the same tensor
-program for every step whatever its requests are (the compiled step, ``model``); a forward outside
-the plan (vLLM's profile and dummy runs, CUDA-graph capture) finds them neutral (no reads, every
-write to scratch): ``finish`` restores that after each step.
+buffer, ``carried`` [tokens, hidden] (each token's W_U s_{t-1} in the current pass: the fusion's
+value, projected where it is taken, outside the compiled pass) and the per-token index tensors are
+allocated once (their addresses never change). Slot 0 is scratch: every token that is not the last
+of a soft/fused request writes there. Per token of a step, ``token_reads`` says whether its input is
+fused, ``token_write`` which slot its top state goes to. A pass is then the same tensor program for
+every step whatever its requests are (the compiled step, ``model``); a forward outside the plan
+(vLLM's profile and dummy runs, CUDA-graph capture) finds them neutral (no reads, every write to
+scratch): ``finish`` restores that after each step. Before pass 1, ``gather`` projects the states
+the step's reading tokens take from the buffer (one small GEMM over those tokens only; none in a
+step of standard requests); before pass j > 1, ``carry`` those of the previous pass.
 
 A step's packed tokens are grouped by request (``query_start_loc``). Per token (position t of a
 request with prompt length p, first position of the step t0):
@@ -24,12 +26,14 @@ request with prompt length p, first position of the step t0):
 
 The step runs max over its requests of (n+1 or 1) + (those chained positions) passes; requests
 that need fewer keep their inputs, so their extra passes recompute the same keys and values.
+A decode step's requests (one position each, fed from the buffer) are planned as arrays at once;
+the others one by one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 import torch
@@ -40,15 +44,15 @@ UNBOUNDED = 1 << 30  # fuse_until of chained positions: every pass
 
 
 @dataclass
-class Row:
-    """One request of a step."""
+class Rows:
+    """The soft/fused requests of a step in the packed batch's order, one entry each."""
 
-    req_id: str
-    start: int  # first token index in the packed batch
-    end: int  # one past the last
-    first_position: int  # t0
-    prompt_length: int  # p (the scored context's length when given)
-    mode: RequestMode
+    req_ids: List[str]
+    modes: List[RequestMode]
+    start: np.ndarray  # first token index in the packed batch
+    end: np.ndarray  # one past the last
+    first_position: np.ndarray  # t0
+    prompt_length: np.ndarray  # p (the scored context's length when given)
 
 
 @dataclass
@@ -57,6 +61,8 @@ class StepPlan:
     passes: int
     fuse_until: Optional[torch.Tensor]  # [chained/fused-prompt tokens] pass limits (None: single pass)
     fuse_index: Optional[torch.Tensor]  # [the same tokens] their indices
+    reads: Optional[torch.Tensor]  # [tokens fed from the buffer] their indices (None: none)
+    read_slots: Optional[torch.Tensor]  # [the same tokens] their slots
     feedback: bool  # some row is soft/fused (the index tensors were filled)
 
 
@@ -68,11 +74,10 @@ class FeedbackState:
         device = torch.device(device)
         self.buffer = torch.zeros(self.slots, hidden_size, dtype=dtype, device=device)
         self.carried = torch.zeros(max_num_tokens, hidden_size, dtype=dtype, device=device)
-        # per token of a step: the slot it reads in pass 1, whether it does, the slot its top state
-        # is written to (0: scratch). Filled on the host each step; on CPU the tensors share the host
-        # arrays' memory (no copy), elsewhere they are copied over.
-        self._host = dict(token_slot=np.zeros(max_num_tokens, dtype=np.int64),
-                          token_reads=np.zeros((max_num_tokens, 1), dtype=bool),
+        # per token of a step: whether its input is fused, the slot its top state is written to (0:
+        # scratch). Filled on the host each step; on CPU the tensors share the host arrays' memory
+        # (no copy), elsewhere they are copied over.
+        self._host = dict(token_reads=np.zeros((max_num_tokens, 1), dtype=bool),
                           token_write=np.zeros(max_num_tokens, dtype=np.int64))
         self._shared = device.type == "cpu"
         for name, array in self._host.items():
@@ -107,65 +112,76 @@ class FeedbackState:
         return slot
 
     # ------------------------------------------------------------ a step
-    def prepare(self, num_tokens: int, rows: List[Row]) -> StepPlan:
-        """Fill the step's index tensors for its soft/fused ``rows`` and return its plan; its other
-        tokens keep the tensors' neutral state (no reads, writes to scratch). A step whose plan
-        cannot be made leaves them neutral."""
+    def prepare(self, num_tokens: int, rows: Optional[Rows]) -> StepPlan:
+        """Fill the step's index tensors for its soft/fused ``rows`` (None: there are none) and return
+        its plan; its other tokens keep the tensors' neutral state (no reads, writes to scratch). A
+        step whose plan cannot be made leaves them neutral."""
+        if rows is None:
+            self.plan = StepPlan(num_tokens, 1, None, None, None, None, False)
+            return self.plan
         try:
             return self._prepare(num_tokens, rows)
         except BaseException:
-            self.plan = StepPlan(num_tokens, 1, None, None, True)
+            self.plan = StepPlan(num_tokens, 1, None, None, None, None, True)
             self.finish()
             raise
 
-    def _prepare(self, num_tokens: int, rows: List[Row]) -> StepPlan:
-        token_write = self._host["token_write"]
+    def _prepare(self, num_tokens: int, rows: Rows) -> StepPlan:
+        start, end, t0, p = rows.start, rows.end, rows.first_position, rows.prompt_length
+        slots = np.fromiter((self._slot(r) for r in rows.req_ids), dtype=np.int64, count=len(rows.req_ids))
+        self._host["token_write"][end - 1] = slots
+        # a decode step's one position: fuse(buffer[slot], e_t), one pass
+        single = (end - start == 1) & (t0 >= p) & (t0 >= 1)
+        reads = [np.flatnonzero(single)]  # the rows whose first token is fed from the buffer
         fuse_index: List[np.ndarray] = []
         fuse_until: List[np.ndarray] = []
         passes = 1
-        for row in rows:
-            slot = self._slot(row.req_id)
-            token_write[row.end - 1] = slot
-            p, t0, count = row.prompt_length, row.first_position, row.end - row.start
-            if count == 1 and t0 >= p and t0 >= 1:  # a decode step's one position: fuse(buffer[slot], e_t)
-                self._read_buffer(row, slot)
-                self._position[slot] = t0
-                continue
-            positions = np.arange(t0, t0 + count)
+        for i in np.flatnonzero(~single):
+            mode, count = rows.modes[i], end[i] - start[i]
+            positions = np.arange(t0[i], t0[i] + count)
             base = 1
-            if row.mode.mode == "fused" and t0 < p:
-                if t0 != 0 or t0 + count < p:
+            if mode.mode == "fused" and t0[i] < p[i]:
+                if t0[i] != 0 or t0[i] + count < p[i]:
                     raise RuntimeError(
-                        f"request {row.req_id}: fused({row.mode.passes}) got positions {t0}…{t0 + count - 1} of a "
-                        f"{p}-token prompt in one step; it needs the whole prompt at once (no chunked prefill)")
-                prompt = np.nonzero((positions >= 1) & (positions < p))[0]
-                if row.mode.passes and len(prompt):
-                    fuse_index.append(row.start + prompt)
-                    fuse_until.append(np.full(len(prompt), row.mode.passes + 1))
-                    base = row.mode.passes + 1
-            decoded = (positions >= p) & (positions >= 1)
+                        f"request {rows.req_ids[i]}: fused({mode.passes}) got positions {t0[i]}…{t0[i] + count - 1} "
+                        f"of a {p[i]}-token prompt in one step; it needs the whole prompt at once (no chunked prefill)")
+                prompt = np.nonzero((positions >= 1) & (positions < p[i]))[0]
+                if mode.passes and len(prompt):
+                    fuse_index.append(start[i] + prompt)
+                    fuse_until.append(np.full(len(prompt), mode.passes + 1))
+                    base = mode.passes + 1
+            decoded = (positions >= p[i]) & (positions >= 1)
             if decoded[0]:  # its predecessor was computed in an earlier step
-                self._read_buffer(row, slot)
+                reads.append(np.array([i]))
             chained = np.nonzero(decoded[1:])[0] + 1
             if len(chained):
-                fuse_index.append(row.start + chained)
+                fuse_index.append(start[i] + chained)
                 fuse_until.append(np.full(len(chained), UNBOUNDED))
             passes = max(passes, base + len(chained))
-            self._position[slot] = t0 + count - 1
-        feedback = bool(rows)
-        if feedback and not self._shared:
-            for name in ("token_slot", "token_reads", "token_write"):
+        read_rows = np.concatenate(reads)
+        stale = np.flatnonzero(self._position[slots[read_rows]] != t0[read_rows] - 1)
+        if len(stale):  # the slot must hold the state of the position just before the row's first
+            i = read_rows[stale[0]]
+            raise RuntimeError(f"request {rows.req_ids[i]}: the fed-back state is of position "
+                               f"{self._position[slots[i]]}, position {t0[i]} needs {t0[i] - 1}'s")
+        self._host["token_reads"][start[read_rows]] = True
+        self._position[slots] = t0 + (end - start) - 1
+        if not self._shared:
+            for name in ("token_reads", "token_write"):
                 getattr(self, name)[:num_tokens].copy_(torch.from_numpy(self._host[name][:num_tokens]),
                                                        non_blocking=True)
-        index = until = None
-        if fuse_index:
-            device = self.buffer.device
-            index = torch.from_numpy(np.concatenate(fuse_index)).to(device)
-            until = torch.from_numpy(np.concatenate(fuse_until)).to(device)
-        self.plan = StepPlan(num_tokens, passes, until, index, feedback)
+        self.plan = StepPlan(num_tokens, passes, *self._tensors(fuse_until, fuse_index),
+                             *self._tensors([start[read_rows]], [slots[read_rows]]), True)
         self.stats["steps"] += 1
         self.stats["max_passes"] = max(self.stats["max_passes"], passes)
         return self.plan
+
+    def _tensors(self, *parts: List[np.ndarray]):
+        """Each list of index arrays as one tensor on the buffer's device (None where it is empty)."""
+        arrays = [np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in parts]
+        if not all(len(a) for a in arrays):
+            return (None,) * len(parts)
+        return tuple(torch.from_numpy(a.astype(np.int64)).to(self.buffer.device) for a in arrays)
 
     def finish(self) -> None:
         """After the step: the index tensors neutral again (no reads, writes to scratch) and no plan."""
@@ -173,33 +189,22 @@ class FeedbackState:
         if plan is None or not plan.feedback:
             return
         n = plan.num_tokens
-        for name in ("token_slot", "token_reads", "token_write"):
+        for name in ("token_reads", "token_write"):
             self._host[name][:n] = 0
             if not self._shared:
                 getattr(self, name)[:n].zero_()
 
-    def _read_buffer(self, row: Row, slot: int) -> None:
-        """The row's first token takes fuse(buffer[slot], e_t): the slot must hold the state of the
-        position just before it."""
-        t0 = row.first_position
-        if self._position[slot] != t0 - 1:
-            raise RuntimeError(f"request {row.req_id}: the fed-back state is of position "
-                               f"{self._position[slot]}, position {t0} needs {t0 - 1}'s")
-        self._host["token_slot"][row.start] = slot
-        self._host["token_reads"][row.start] = True
+    def gather(self, project: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Before pass 1: the tokens fed from the buffer take W_U s of their slot's state (``project``)."""
+        plan = self.plan
+        if plan is not None and plan.reads is not None:
+            self.carried.index_copy_(0, plan.reads, project(self.buffer.index_select(0, plan.read_slots)))
 
-    def gather(self, num_tokens: int) -> None:
-        """Before pass 1: every token's fed-back state from its slot (scratch's where it reads none).
-        Skipped in a step whose plan reads none (its fusions are discarded); a forward outside the
-        plan (``plan`` None: vLLM's dummy runs, CUDA-graph capture) gathers."""
-        if self.plan is None or self.plan.feedback:
-            torch.index_select(self.buffer, 0, self.token_slot[:num_tokens], out=self.carried[:num_tokens])
-
-    def carry(self, top: torch.Tensor, plan: StepPlan, j: int) -> None:
-        """Before pass j > 1: the tokens the plan still fuses at pass j take s^{(j-1)}_{t-1}, the top
-        state of the previous position in pass j - 1; the others keep their input."""
+    def carry(self, top: torch.Tensor, plan: StepPlan, j: int, project: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Before pass j > 1: the tokens the plan still fuses at pass j take W_U s^{(j-1)}_{t-1}, of the
+        previous position's top state in pass j - 1; the others keep their input."""
         index = plan.fuse_index[plan.fuse_until >= j]
-        self.carried.index_copy_(0, index, top.index_select(0, index - 1))
+        self.carried.index_copy_(0, index, project(top.index_select(0, index - 1)))
         self.token_reads[index] = True
 
     def write(self, top: torch.Tensor) -> None:

@@ -9,7 +9,10 @@
   * for information, the same for two variants of the FBT export: every layer global (FBT's layer
     without sliding windows: what two KV-cache groups cost in vLLM's scheduler and attention
     metadata), standard; and Qwen3's layer (no headwise gate, no sandwich norms, every layer global;
-    the fusion, its state and the plugin kept): what the plugin costs, apart from FBT's layer;
+    the fusion, its state and the plugin kept): what the plugin costs, apart from FBT's layer; and
+    against vLLM's native Gemma3 of the same shape and FBT's attention layout (q/k norms, sandwich
+    norms, the same sliding-window layers; GeGLU, no headwise gate, no fusion): what FBT costs over
+    a native model that pays for the same windows and norms, and what those cost Gemma3 over Qwen3;
   * decode throughput of soft against standard requests (goal ≥ 0.97: the fusion adds two D×D
     products and a norm per decoded token);
   * prefill time of fused(n) against standard, 16 prompts of 256 tokens, one token generated
@@ -74,6 +77,11 @@ RATIOS = [
     *(Ratio(f"serving_decode_global_standard_vs_qwen3_{c}",
             f"decode output tokens/s, FBT with every layer global, standard / Qwen3 ({c})", f"decode-{c}", "qwen3",
             "global_standard") for c in COMPILATIONS),
+    *(Ratio(f"serving_decode_{mode}_vs_gemma3_{c}",
+            f"decode output tokens/s, FBT {mode} / vLLM's Gemma3, FBT's attention layout ({c})", f"decode-{c}",
+            "gemma3", mode) for c in COMPILATIONS for mode in ("standard", "soft")),
+    *(Ratio(f"serving_decode_gemma3_vs_qwen3_{c}", f"decode output tokens/s, vLLM's Gemma3 / Qwen3 ({c})",
+            f"decode-{c}", "qwen3", "gemma3") for c in COMPILATIONS),
     *(Ratio(f"serving_decode_qwen3_layer_{mode}_vs_qwen3_{c}",
             f"decode output tokens/s, FBT with Qwen3's layer, {mode} / Qwen3 ({c})", f"decode-{c}", "qwen3",
             f"qwen3_layer_{mode}") for c in COMPILATIONS for mode in ("standard", "soft")),
@@ -127,6 +135,29 @@ def write_qwen3(fbt_config, folder: Path, seed: int) -> Path:
                          rope_theta=float(c.rope_theta), tie_word_embeddings=True, bos_token_id=None,
                          eos_token_id=None, pad_token_id=None)
     Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(folder)
+    return folder
+
+
+def write_gemma3(fbt_config, folder: Path, seed: int) -> Path:
+    """vLLM's native model of the FBT export's shape and attention layout: a random Gemma3 (q/k
+    RMSNorm, sandwich norms, GQA, the export's sliding-window layers, tied embeddings; GeGLU, no
+    headwise gate, no fusion), saved locally."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    c = fbt_config
+    layers = c.layer_types or ["full_attention"] * c.num_hidden_layers
+    config = Gemma3TextConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                              num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                              num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                              query_pre_attn_scalar=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                              sliding_window=c.sliding_window or MAX_MODEL_LEN, layer_types=layers,
+                              max_position_embeddings=max(c.max_position_embeddings, MAX_MODEL_LEN),
+                              final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True,
+                              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config.architectures = ["Gemma3ForCausalLM"]
+    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(folder)
     return folder
 
 
@@ -207,6 +238,7 @@ def _measure(args, folder: Path) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).eval()
     config = hf.config
     models = {"fbt": export, "qwen3": write_qwen3(config, folder / "qwen3", args.seed),
+              "gemma3": write_gemma3(config, folder / "gemma3", args.seed),
               "global": write_random_export(args, folder / "global", **GLOBAL_LAYERS),
               "qwen3_layer": write_random_export(args, folder / "qwen3_layer", **QWEN3_LAYER)}
 
@@ -236,6 +268,7 @@ def _measure(args, folder: Path) -> dict:
                 f"decode-{c}@standard": host.step("fbt", concurrent, ["standard"] * n, args.new_tokens),
                 f"decode-{c}@soft": host.step("fbt", concurrent, ["soft"] * n, args.new_tokens),
                 f"decode-{c}@qwen3": host.step("qwen3", concurrent, [None] * n, args.new_tokens),
+                f"decode-{c}@gemma3": host.step("gemma3", concurrent, [None] * n, args.new_tokens),
                 f"decode-{c}@global_standard": host.step("global", concurrent, ["standard"] * n, args.new_tokens),
                 f"decode-{c}@qwen3_layer_standard": host.step("qwen3_layer", concurrent, ["standard"] * n, args.new_tokens),
                 f"decode-{c}@qwen3_layer_soft": host.step("qwen3_layer", concurrent, ["soft"] * n, args.new_tokens),
@@ -275,6 +308,7 @@ def format_report(results: dict) -> str:
             f"decode-{c}@qwen3": f"{decode}, vLLM's Qwen3 ({c})",
             f"decode-{c}@standard": f"{decode}, FBT standard ({c})",
             f"decode-{c}@soft": f"{decode}, FBT soft ({c})",
+            f"decode-{c}@gemma3": f"{decode}, vLLM's Gemma3, FBT's attention layout ({c})",
             f"decode-{c}@global_standard": f"{decode}, FBT, every layer global, standard ({c})",
             f"decode-{c}@qwen3_layer_standard": f"{decode}, FBT with Qwen3's layer, standard ({c})",
             f"decode-{c}@qwen3_layer_soft": f"{decode}, FBT with Qwen3's layer, soft ({c})",
