@@ -128,60 +128,70 @@ class FeedbackState:
 
     def _prepare(self, num_tokens: int, rows: Rows) -> StepPlan:
         start, end, t0, p = rows.start, rows.end, rows.first_position, rows.prompt_length
-        slots = np.fromiter((self._slot(r) for r in rows.req_ids), dtype=np.int64, count=len(rows.req_ids))
-        self._host["token_write"][end - 1] = slots
+        owner = self._owner
+        slots = np.array([owner.get(r) or self._slot(r) for r in rows.req_ids], dtype=np.int64)
+        count = end - start
         # a decode step's one position: fuse(buffer[slot], e_t), one pass
-        single = (end - start == 1) & (t0 >= p) & (t0 >= 1)
-        reads = [np.flatnonzero(single)]  # the rows whose first token is fed from the buffer
-        fuse_index: List[np.ndarray] = []
-        fuse_until: List[np.ndarray] = []
-        passes = 1
-        for i in np.flatnonzero(~single):
-            mode, count = rows.modes[i], end[i] - start[i]
-            positions = np.arange(t0[i], t0[i] + count)
-            base = 1
-            if mode.mode == "fused" and t0[i] < p[i]:
-                if t0[i] != 0 or t0[i] + count < p[i]:
-                    raise RuntimeError(
-                        f"request {rows.req_ids[i]}: fused({mode.passes}) got positions {t0[i]}…{t0[i] + count - 1} "
-                        f"of a {p[i]}-token prompt in one step; it needs the whole prompt at once (no chunked prefill)")
-                prompt = np.nonzero((positions >= 1) & (positions < p[i]))[0]
-                if mode.passes and len(prompt):
-                    fuse_index.append(start[i] + prompt)
-                    fuse_until.append(np.full(len(prompt), mode.passes + 1))
-                    base = mode.passes + 1
-            decoded = (positions >= p[i]) & (positions >= 1)
-            if decoded[0]:  # its predecessor was computed in an earlier step
-                reads.append(np.array([i]))
-            chained = np.nonzero(decoded[1:])[0] + 1
-            if len(chained):
-                fuse_index.append(start[i] + chained)
-                fuse_until.append(np.full(len(chained), UNBOUNDED))
-            passes = max(passes, base + len(chained))
-        read_rows = np.concatenate(reads)
-        stale = np.flatnonzero(self._position[slots[read_rows]] != t0[read_rows] - 1)
+        single = (count == 1) & (t0 >= p) & (t0 >= 1)
+        passes, fuse_index, fuse_until = 1, [], []
+        if single.all():  # a decode step: every row reads the buffer
+            read_rows = slice(None)
+        else:
+            reads = [np.flatnonzero(single)]  # the rows whose first token is fed from the buffer
+            for i in np.flatnonzero(~single):
+                passes = max(passes, self._plan_row(rows, i, reads, fuse_index, fuse_until))
+            read_rows = np.concatenate(reads)
+        read_slots, read_tokens = slots[read_rows], start[read_rows]
+        stale = np.flatnonzero(self._position[read_slots] != t0[read_rows] - 1)
         if len(stale):  # the slot must hold the state of the position just before the row's first
-            i = read_rows[stale[0]]
+            i = np.arange(len(slots))[read_rows][stale[0]]
             raise RuntimeError(f"request {rows.req_ids[i]}: the fed-back state is of position "
                                f"{self._position[slots[i]]}, position {t0[i]} needs {t0[i] - 1}'s")
-        self._host["token_reads"][start[read_rows]] = True
-        self._position[slots] = t0 + (end - start) - 1
+        self._host["token_reads"][read_tokens] = True
+        self._host["token_write"][end - 1] = slots
+        self._position[slots] = t0 + count - 1
         if not self._shared:
             for name in ("token_reads", "token_write"):
                 getattr(self, name)[:num_tokens].copy_(torch.from_numpy(self._host[name][:num_tokens]),
                                                        non_blocking=True)
-        self.plan = StepPlan(num_tokens, passes, *self._tensors(fuse_until, fuse_index),
-                             *self._tensors([start[read_rows]], [slots[read_rows]]), True)
+        fused = ((self._tensor(np.concatenate(fuse_until)), self._tensor(np.concatenate(fuse_index)))
+                 if fuse_index else (None, None))
+        reading = (self._tensor(read_tokens), self._tensor(read_slots)) if len(read_tokens) else (None, None)
+        self.plan = StepPlan(num_tokens, passes, *fused, *reading, True)
         self.stats["steps"] += 1
         self.stats["max_passes"] = max(self.stats["max_passes"], passes)
         return self.plan
 
-    def _tensors(self, *parts: List[np.ndarray]):
-        """Each list of index arrays as one tensor on the buffer's device (None where it is empty)."""
-        arrays = [np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in parts]
-        if not all(len(a) for a in arrays):
-            return (None,) * len(parts)
-        return tuple(torch.from_numpy(a.astype(np.int64)).to(self.buffer.device) for a in arrays)
+    def _plan_row(self, rows: Rows, i: int, reads: list, fuse_index: list, fuse_until: list) -> int:
+        """A row other than a decode step's one position: its prompt's fused passes, whether its first
+        token reads the buffer, its chained positions; returns the passes it needs."""
+        mode, start, t0, p = rows.modes[i], rows.start[i], rows.first_position[i], rows.prompt_length[i]
+        count = rows.end[i] - start
+        positions = np.arange(t0, t0 + count)
+        base = 1
+        if mode.mode == "fused" and t0 < p:
+            if t0 != 0 or t0 + count < p:
+                raise RuntimeError(
+                    f"request {rows.req_ids[i]}: fused({mode.passes}) got positions {t0}…{t0 + count - 1} of a "
+                    f"{p}-token prompt in one step; it needs the whole prompt at once (no chunked prefill)")
+            prompt = np.nonzero((positions >= 1) & (positions < p))[0]
+            if mode.passes and len(prompt):
+                fuse_index.append(start + prompt)
+                fuse_until.append(np.full(len(prompt), mode.passes + 1))
+                base = mode.passes + 1
+        decoded = (positions >= p) & (positions >= 1)
+        if decoded[0]:  # its predecessor was computed in an earlier step
+            reads.append(np.array([i]))
+        chained = np.nonzero(decoded[1:])[0] + 1
+        if len(chained):
+            fuse_index.append(start + chained)
+            fuse_until.append(np.full(len(chained), UNBOUNDED))
+        return base + len(chained)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """Indices as a tensor on the buffer's device (on CPU, the array's memory)."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+        return tensor if self._shared else tensor.to(self.buffer.device)
 
     def finish(self) -> None:
         """After the step: the index tensors neutral again (no reads, writes to scratch) and no plan."""
