@@ -251,6 +251,68 @@ def test_bad_mode_is_that_requests_error(llm, reference):
     assert_equal(reference, [(p, MODES[1]) for p in plain], run(llm, [(p, {}) for p in plain]), "no mode: soft")
 
 
+def test_state_plan_entries_against_the_rows():
+    """The state's plan, without an engine: each step's index entries equal what its rows say
+    (computed here from the rows); a decode step's entries are kept for the next decode step of the
+    same requests and cleared before any other step, a forward without a plan, or after a refused
+    step; the values a token reads are W_U of its slot's state."""
+    import numpy as np
+
+    from fbt_megatron.serving.requests import RequestMode
+    from fbt_megatron.serving.state import FeedbackState, Rows
+
+    hidden, soft = 8, RequestMode("soft", 0)
+    state = FeedbackState(4, 16, hidden, torch.float32, "cpu")
+    weight = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(0))
+    project = lambda states, out: torch.mm(states, weight.t(), out=out)  # noqa: E731
+
+    def rows(ids, start, end, t0, decode):
+        return Rows(ids, [soft] * len(ids), np.array(start), np.array(end), np.array(t0), np.array([3] * len(ids)), decode)
+
+    def entries(n):
+        return (state.token_reads[:n, 0].tolist(), state.token_write[:n].tolist(), state.token_source[:n].tolist())
+
+    neutral = lambda n: ([False] * n, [0] * n)  # noqa: E731
+    # a prefill step: a standard request (tokens 0-2) and two soft ones (3-5, 6-8), no reads
+    ids = ["a", "b"]
+    plan = state.prepare(9, rows(ids, [3, 6], [6, 9], [0, 0], False))
+    reads, writes, _ = entries(9)
+    assert plan.gathered == 0 and not any(reads) and writes == [0, 0, 0, 0, 0, 1, 0, 0, 2]
+    state.buffer[1:3] = torch.randn(2, hidden)
+    state.finish()
+    assert entries(9)[:2] == neutral(9)
+    # decode steps: one token per request, the soft ones read and write their slots
+    decode = ["a", "b"]
+    for t0 in (3, 4):
+        plan = state.prepare(3, rows(decode, [1, 2], [2, 3], [t0, t0], True))
+        state.gather(project)
+        reads, writes, source = entries(3)
+        assert (reads, writes, source[1:]) == ([False, True, True], [0, 1, 2], [1, 2]) and plan.gathered == 3
+        read = state.values.index_select(0, state.token_source[:3])[1:]
+        torch.testing.assert_close(read, state.buffer[1:3] @ weight.t())
+        state.finish()
+        assert entries(3)[:2] == ([False, True, True], [0, 1, 2])  # kept for the next decode step
+    assert state._position[1:3].tolist() == [4, 4]
+    state.neutral()  # what a forward without a plan does first
+    assert entries(3)[:2] == neutral(3)
+    plan = state.prepare(3, rows(decode, [1, 2], [2, 3], [5, 5], True))
+    assert entries(3)[:2] == ([False, True, True], [0, 1, 2])
+    state.finish()
+    state.prepare(1, None)  # a step of standard requests only clears the kept entries
+    assert entries(3)[:2] == neutral(3)
+    state.finish()
+    # a step whose positions skip one is refused in one line, and leaves the tensors neutral
+    state.prepare(3, rows(decode, [1, 2], [2, 3], [6, 6], True))
+    state.finish()
+    with pytest.raises(RuntimeError, match="request a: the fed-back state is of position 6, position 8 needs 7's"):
+        state.prepare(3, rows(decode, [1, 2], [2, 3], [8, 7], True))
+    assert entries(3)[:2] == neutral(3) and state.plan is None
+    # a freed slot moves the layout's slots: b's next decode step is written anew
+    state.release(["a"])
+    plan = state.prepare(2, rows(["b"], [1], [2], [7], True))
+    assert entries(2)[:2] == ([False, True], [0, 2]) and plan.gathered == 3
+
+
 def test_soft_on_a_baseline_is_refused_at_admission():
     """The admission check of a baseline export's engine (latent_feedback false)."""
     from vllm import SamplingParams

@@ -9,20 +9,20 @@ folded into the weights of each branch's last step once loaded (``fold_residual_
 
     u_t = RMSNorm(W_U s_{t-1} ⊙ sigmoid(W_G e_t))
 
-takes W_U s_{t-1} from ``carried``, which the state fills before each pass from the persistent
-state buffer or from the previous pass of the same step, as the step's plan says (``state``).
+takes W_U s_{t-1} from the state's ``values``, which the state fills before each pass from the
+persistent state buffer or from the previous pass of the same step, as the step's plan says (``state``).
 
 A pass is ``FBTModel.forward``, compiled by vLLM (``support_torch_compile``; its default on CPU, off
 with ``enforce_eager``): the same tensor program for every step, whatever its requests are. Every
-token's input is ``where(reads, fuse(carried, e_t), e_t)`` and every token's top state is written to
+token's input is ``where(reads, fuse(values[source], e_t), e_t)`` and every token's top state is written to
 its slot (scratch for all but a soft/fused request's last token), through the state's index tensors
 at fixed addresses, with nothing data-dependent in Python: what CUDA graphs can capture per batch
 size. Standard tokens pay for a fusion they discard (a gate lookup, a product and a norm each; no
 GEMM: W_U is applied outside the pass, to the states read). A step's plan says how many passes it
 runs (``FBTForCausalLM.forward``, outside the graph): one in decode steps and plain prefills; n + 1
 for a fused(n) prompt, more for chained decoded positions, each pass after the first preceded by the
-carry of the previous pass's top states (``FeedbackState.carry``: an index copy and W_U over the
-carried tokens). With CUDA graphs, ``gather`` and ``carry`` run outside the captured pass.
+carry of the previous pass's top states (``FeedbackState.carry``: W_U over the carried tokens and an
+index copy). With CUDA graphs, ``gather`` and ``carry`` run outside the captured pass.
 vLLM's profile, dummy and warm-up runs (which compile the pass) find the index tensors neutral, so
 they read and write scratch only.
 
@@ -200,8 +200,8 @@ class FBTFeedbackFusion(nn.Module):
     """u = norm(up_proj(s) ⊙ sigmoid(gate_proj(e))), up_proj = W_U, gate_proj = W_G (replicated).
 
     W_U s is taken where the state is taken, outside the compiled pass (``project``, called by the
-    state's ``gather`` and ``carry``), for the tokens that read a state only: a pass multiplies
-    nothing by W_U, and a step of standard requests takes no product at all. sigmoid(W_G e_t)
+    state's ``gather`` and ``carry``), for the states read only: a pass multiplies nothing by W_U,
+    and a step of standard requests takes no product at all. sigmoid(W_G e_t)
     depends on the token alone: once loaded, ``gates`` holds it for every token of the vocabulary
     (``tabulate``; split over tensor-parallel ranks as the embedding is, V×D more memory), so a pass
     looks the token's gate up (on GPUs, W_G is not read every decode step). Prompt embeddings given
@@ -221,9 +221,10 @@ class FBTFeedbackFusion(nn.Module):
         this rank's rows of the embedding."""
         self.gates.weight.copy_(torch.sigmoid(nn.functional.linear(embedding.weight, self.gate_proj.weight)))
 
-    def project(self, states: torch.Tensor) -> torch.Tensor:
-        """W_U s for the states a step's tokens read."""
-        return self.up_proj(states)[0]
+    def project(self, states: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """W_U s for the states a step's tokens read (into ``out`` when given)."""
+        projected = self.up_proj(states)[0]
+        return projected if out is None else out.copy_(projected)
 
     def forward(self, projected: torch.Tensor, input_ids: torch.Tensor | None, embeddings: torch.Tensor) -> torch.Tensor:
         """projected: W_U s_{t-1} (``project``); embeddings: e_t."""
@@ -262,7 +263,8 @@ class FBTModel(nn.Module):
         if state is None:  # a baseline export
             return self.stack(positions, e)[1]
         n = e.shape[0]
-        x = torch.where(state.token_reads[:n], self.feedback(state.carried[:n], input_ids, e), e)
+        values = state.values.index_select(0, state.token_source[:n])
+        x = torch.where(state.token_reads[:n], self.feedback(values, input_ids, e), e)
         hidden, normed = self.stack(positions, x)
         top = self.top_state(hidden, normed)
         state.write(top)
@@ -305,6 +307,8 @@ class FBTForCausalLM(nn.Module):
         if state is None:
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         plan = state.plan  # None in profile / dummy runs: one pass, the index tensors neutral
+        if plan is None:
+            state.neutral()
         project = self.model.feedback.project
         state.gather(project)
         for j in range(1, (plan.passes if plan is not None else 1) + 1):

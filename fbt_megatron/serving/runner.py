@@ -8,7 +8,9 @@ an FBT model its step's requests. Installed once per process by the plugin; mode
 * ``_model_forward`` (real steps only: profile and dummy runs call the model directly): the plan of
   the step from the persistent batch (request ids in row order, ``query_start_loc``, computed
   tokens, prompt lengths, each request's ``SamplingParams.extra_args``), set on the model for the
-  forward and cleared after it (``FeedbackState.finish``: the index tensors neutral again).
+  forward and cleared after it (``FeedbackState.finish``: the index tensors neutral again). What
+  depends only on which requests the batch holds, in which order (their modes, prompt lengths,
+  slots), is worked out once per such layout.
 
 On GPUs vLLM 0.32 defaults to "model runner V2", whose per-request hook is the model's
 ``get_model_state_cls()``; the engine refuses it for FBT (``engine``) until that is written.
@@ -17,7 +19,8 @@ On GPUs vLLM 0.32 defaults to "model runner V2", whose per-request hook is the m
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional
 
 import numpy as np
 
@@ -38,24 +41,49 @@ def _mode(request, defaults):
     return mode
 
 
+@dataclass
+class _Layout:
+    """The soft/fused requests of the persistent batch while its requests and their order stay the
+    same (in decode, most steps): their rows, ids (one list object: the state's key for their
+    slots), modes and prompt lengths."""
+
+    key: tuple  # the batch's request ids
+    index: np.ndarray  # their rows in the batch
+    next: np.ndarray  # index + 1
+    req_ids: List[str]
+    modes: list
+    prompt_length: np.ndarray
+
+
+def _layout(runner, ids: List[str], defaults) -> _Layout:
+    layout = getattr(runner, "_fbt_layout", None)
+    key = tuple(ids)
+    if layout is not None and layout.key == key:
+        return layout
+    requests = runner.requests
+    modes = [_mode(requests[req_id], defaults) for req_id in ids]
+    picked = [i for i, mode in enumerate(modes) if mode.feedback]
+    prompt = np.array([requests[ids[i]].num_prompt_tokens for i in picked], dtype=np.int64)
+    scored = np.array([modes[i].prompt_length or prompt[k] for k, i in enumerate(picked)], dtype=np.int64)
+    index = np.array(picked, dtype=np.int64)
+    layout = runner._fbt_layout = _Layout(key, index, index + 1, [ids[i] for i in picked], [modes[i] for i in picked],
+                                          np.minimum(scored, prompt))
+    return layout
+
+
 def step_rows(runner, defaults) -> tuple[int, Optional[Rows]]:
     """The step's token count and its soft/fused requests in the packed batch's order (None when it
     has none: standard requests need nothing of the state)."""
-    batch, requests = runner.input_batch, runner.requests
+    batch = runner.input_batch
     num_reqs = batch.num_reqs
     starts = runner.query_start_loc.np
-    ids = batch.req_ids[:num_reqs]
-    modes = [_mode(requests[req_id], defaults) for req_id in ids]
-    picked = [i for i, mode in enumerate(modes) if mode.feedback]
     num_tokens = int(starts[num_reqs])
-    if not picked:
+    layout = _layout(runner, batch.req_ids[:num_reqs], defaults)
+    if not layout.req_ids:
         return num_tokens, None
-    index = np.array(picked)
-    prompt = np.array([requests[ids[i]].num_prompt_tokens for i in picked])
-    scored = np.array([modes[i].prompt_length or prompt[k] for k, i in enumerate(picked)])
-    return num_tokens, Rows([ids[i] for i in picked], [modes[i] for i in picked], starts[index].astype(np.int64),
-                            starts[index + 1].astype(np.int64), batch.num_computed_tokens_cpu[index].astype(np.int64),
-                            np.minimum(scored, prompt))
+    index = layout.index
+    return num_tokens, Rows(layout.req_ids, layout.modes, starts[index], starts[layout.next],
+                            batch.num_computed_tokens_cpu[index], layout.prompt_length, num_tokens == num_reqs)
 
 
 def install() -> None:

@@ -1,17 +1,20 @@
 """The fed-back state of every request, and the plan of one forward step.
 
 The model keeps ``buffer`` [slots, hidden]: row ``s`` holds the top state of the latest computed
-position of the request that owns slot ``s`` (the EAGLE/MTP pattern of the paper's appendix D). The
-buffer, ``carried`` [tokens, hidden] (each token's W_U s_{t-1} in the current pass: the fusion's
-value, projected where it is taken, outside the compiled pass) and the per-token index tensors are
+position of the request that owns slot ``s`` (the EAGLE/MTP pattern of the paper's appendix D), and
+``values`` [slots + tokens, hidden]: the fusion's value W_U s_{t-1} of every token that reads one,
+projected where it is taken, outside the compiled pass. Its first ``slots`` rows are W_U of the
+buffer's rows (``gather``, before pass 1: one product over the slots in use, none in a step of
+standard requests), row ``slots + t`` is W_U s^{(j-1)}_{t-1} of token t's predecessor in the previous
+pass (``carry``, before pass j > 1). The buffer, ``values`` and the per-token index tensors are
 allocated once (their addresses never change). Slot 0 is scratch: every token that is not the last
 of a soft/fused request writes there. Per token of a step, ``token_reads`` says whether its input is
-fused, ``token_write`` which slot its top state goes to. A pass is then the same tensor program for
-every step whatever its requests are (the compiled step, ``model``); a forward outside the plan
-(vLLM's profile and dummy runs, CUDA-graph capture) finds them neutral (no reads, every write to
-scratch): ``finish`` restores that after each step. Before pass 1, ``gather`` projects the states
-the step's reading tokens take from the buffer (one small GEMM over those tokens only; none in a
-step of standard requests); before pass j > 1, ``carry`` those of the previous pass.
+fused, ``token_source`` which row of ``values`` it takes, ``token_write`` which slot its top state
+goes to. A pass is then the same tensor program for every step whatever its requests are (the
+compiled step, ``model``); a forward outside the plan (vLLM's profile and dummy runs, CUDA-graph
+capture) finds them neutral (no reads, every write to scratch): ``finish`` restores that after each
+step, except a decode step's entries, which the next decode step of the same requests reuses as they
+are (any other step, and a forward without a plan, clears them first: ``neutral``).
 
 A step's packed tokens are grouped by request (``query_start_loc``). Per token (position t of a
 request with prompt length p, first position of the step t0):
@@ -27,7 +30,9 @@ request with prompt length p, first position of the step t0):
 The step runs max over its requests of (n+1 or 1) + (those chained positions) passes; requests
 that need fewer keep their inputs, so their extra passes recompute the same keys and values.
 A decode step's requests (one position each, fed from the buffer) are planned as arrays at once;
-the others one by one.
+the others one by one. The slots of a step's requests are looked up once per batch layout (the
+runner passes the same ``req_ids`` list while the batch's requests stay the same) and again after
+any slot is freed.
 """
 
 from __future__ import annotations
@@ -41,18 +46,20 @@ import torch
 from fbt_megatron.serving.requests import RequestMode
 
 UNBOUNDED = 1 << 30  # fuse_until of chained positions: every pass
+Project = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]  # (states, out or None) -> W_U states
 
 
 @dataclass
 class Rows:
     """The soft/fused requests of a step in the packed batch's order, one entry each."""
 
-    req_ids: List[str]
+    req_ids: List[str]  # the same list object while the batch's requests do not change
     modes: List[RequestMode]
     start: np.ndarray  # first token index in the packed batch
     end: np.ndarray  # one past the last
     first_position: np.ndarray  # t0
-    prompt_length: np.ndarray  # p (the scored context's length when given)
+    prompt_length: np.ndarray  # p >= 1 (the scored context's length when given)
+    decode: bool  # every request of the step (standard ones too) has one token
 
 
 @dataclass
@@ -61,8 +68,7 @@ class StepPlan:
     passes: int
     fuse_until: Optional[torch.Tensor]  # [chained/fused-prompt tokens] pass limits (None: single pass)
     fuse_index: Optional[torch.Tensor]  # [the same tokens] their indices
-    reads: Optional[torch.Tensor]  # [tokens fed from the buffer] their indices (None: none)
-    read_slots: Optional[torch.Tensor]  # [the same tokens] their slots
+    gathered: int  # the buffer's rows [0, gathered) to project before pass 1 (0: no token reads the buffer)
     feedback: bool  # some row is soft/fused (the index tensors were filled)
 
 
@@ -73,11 +79,12 @@ class FeedbackState:
         self.slots = max_num_seqs + 1  # + the scratch slot 0
         device = torch.device(device)
         self.buffer = torch.zeros(self.slots, hidden_size, dtype=dtype, device=device)
-        self.carried = torch.zeros(max_num_tokens, hidden_size, dtype=dtype, device=device)
-        # per token of a step: whether its input is fused, the slot its top state is written to (0:
-        # scratch). Filled on the host each step; on CPU the tensors share the host arrays' memory
-        # (no copy), elsewhere they are copied over.
+        self.values = torch.zeros(self.slots + max_num_tokens, hidden_size, dtype=dtype, device=device)
+        # per token of a step: whether its input is fused, the row of ``values`` it takes, the slot its
+        # top state is written to (0: scratch). Filled on the host each step; on CPU the tensors share
+        # the host arrays' memory (no copy), elsewhere they are copied over.
         self._host = dict(token_reads=np.zeros((max_num_tokens, 1), dtype=bool),
+                          token_source=np.zeros(max_num_tokens, dtype=np.int64),
                           token_write=np.zeros(max_num_tokens, dtype=np.int64))
         self._shared = device.type == "cpu"
         for name, array in self._host.items():
@@ -85,6 +92,10 @@ class FeedbackState:
         self._owner: Dict[str, int] = {}  # request id -> slot
         self._free: List[int] = list(range(self.slots - 1, 0, -1))
         self._position = np.full(self.slots, -1, dtype=np.int64)  # the position each slot's state is of
+        self._freed = 0  # slots freed so far: a layout's slots looked up before are stale once it moves
+        self._layout_slots = (None, -1, None, 0)  # (req_ids, _freed, their slots, the highest) of the last layout
+        self._set_tokens = 0  # the index tensors may hold entries for tokens [0, _set_tokens)
+        self._kept = None  # (req_ids, _freed, tokens) of the decode step whose entries are kept for the next
         self.plan: Optional[StepPlan] = None
         self.stats = {"steps": 0, "max_passes": 0, "preempted": 0}
 
@@ -101,6 +112,7 @@ class FeedbackState:
             if slot is not None:
                 self._position[slot] = -1
                 self._free.append(slot)
+                self._freed += 1
 
     def _slot(self, req_id: str) -> int:
         slot = self._owner.get(req_id)
@@ -111,53 +123,74 @@ class FeedbackState:
             slot = self._owner[req_id] = self._free.pop()
         return slot
 
+    def _slots(self, req_ids: List[str]) -> tuple[np.ndarray, int]:
+        """The slots of a layout's requests (taking free ones for new requests) and the highest,
+        looked up again only for another layout or after a slot was freed."""
+        cached, freed, slots, highest = self._layout_slots
+        if cached is not req_ids or freed != self._freed:
+            slots = np.array([self._slot(r) for r in req_ids], dtype=np.int64)
+            highest = int(slots.max())
+            self._layout_slots = (req_ids, self._freed, slots, highest)
+        return slots, highest
+
     # ------------------------------------------------------------ a step
     def prepare(self, num_tokens: int, rows: Optional[Rows]) -> StepPlan:
         """Fill the step's index tensors for its soft/fused ``rows`` (None: there are none) and return
         its plan; its other tokens keep the tensors' neutral state (no reads, writes to scratch). A
-        step whose plan cannot be made leaves them neutral."""
+        decode step's entries stay set after it (``finish``): the next decode step of the same
+        requests needs the same ones, and only checks and moves the positions; any other step clears
+        them first. A step whose plan cannot be made leaves the tensors neutral."""
+        same = (rows is not None and rows.decode and self._kept is not None and self._kept[0] is rows.req_ids
+                and self._kept[1:] == (self._freed, num_tokens))
+        if not same:
+            self.neutral()
         if rows is None:
-            self.plan = StepPlan(num_tokens, 1, None, None, None, None, False)
+            self.plan = StepPlan(num_tokens, 1, None, None, 0, False)
             return self.plan
         try:
-            return self._prepare(num_tokens, rows)
+            return self._prepare(num_tokens, rows, same)
         except BaseException:
-            self.plan = StepPlan(num_tokens, 1, None, None, None, None, True)
-            self.finish()
+            self.plan = None
+            self.neutral()
             raise
 
-    def _prepare(self, num_tokens: int, rows: Rows) -> StepPlan:
+    def _prepare(self, num_tokens: int, rows: Rows, same: bool) -> StepPlan:
         start, end, t0, p = rows.start, rows.end, rows.first_position, rows.prompt_length
-        owner = self._owner
-        slots = np.array([owner.get(r) or self._slot(r) for r in rows.req_ids], dtype=np.int64)
-        count = end - start
-        # a decode step's one position: fuse(buffer[slot], e_t), one pass
-        single = (count == 1) & (t0 >= p) & (t0 >= 1)
-        passes, fuse_index, fuse_until = 1, [], []
-        if single.all():  # a decode step: every row reads the buffer
-            read_rows = slice(None)
+        slots, highest = self._slots(rows.req_ids)
+        host, passes, fused = self._host, 1, (None, None)
+        # a decode step: each row's one position reads the buffer (``same``: the previous step's rows)
+        decode = same or (rows.decode and (t0 >= p).all())
+        if decode:
+            reading, read_slots, read_tokens, last, gathered = t0, slots, start, t0, highest + 1
         else:
-            reads = [np.flatnonzero(single)]  # the rows whose first token is fed from the buffer
+            count = end - start
+            single = (count == 1) & (t0 >= p)  # rows whose one position reads the buffer (p >= 1: so is t0)
+            reads, fuse_index, fuse_until = [np.flatnonzero(single)], [], []
             for i in np.flatnonzero(~single):
                 passes = max(passes, self._plan_row(rows, i, reads, fuse_index, fuse_until))
             read_rows = np.concatenate(reads)
-        read_slots, read_tokens = slots[read_rows], start[read_rows]
-        stale = np.flatnonzero(self._position[read_slots] != t0[read_rows] - 1)
-        if len(stale):  # the slot must hold the state of the position just before the row's first
-            i = np.arange(len(slots))[read_rows][stale[0]]
+            reading, read_slots, read_tokens, last = t0[read_rows], slots[read_rows], start[read_rows], t0 + count - 1
+            gathered = int(read_slots.max()) + 1 if len(read_slots) else 0
+            if fuse_index:  # chained/fused-prompt tokens take their row of ``values`` (filled by ``carry``)
+                index = np.concatenate(fuse_index)
+                host["token_source"][index] = self.slots + index
+                fused = self._tensor(np.concatenate(fuse_until)), self._tensor(index)
+        stale = self._position[read_slots] + 1 != reading
+        if stale.any():  # the slot must hold the state of the position just before the row's first
+            i = int(np.flatnonzero(np.isin(slots, read_slots[stale]))[0])
             raise RuntimeError(f"request {rows.req_ids[i]}: the fed-back state is of position "
                                f"{self._position[slots[i]]}, position {t0[i]} needs {t0[i] - 1}'s")
-        self._host["token_reads"][read_tokens] = True
-        self._host["token_write"][end - 1] = slots
-        self._position[slots] = t0 + count - 1
-        if not self._shared:
-            for name in ("token_reads", "token_write"):
-                getattr(self, name)[:num_tokens].copy_(torch.from_numpy(self._host[name][:num_tokens]),
-                                                       non_blocking=True)
-        fused = ((self._tensor(np.concatenate(fuse_until)), self._tensor(np.concatenate(fuse_index)))
-                 if fuse_index else (None, None))
-        reading = (self._tensor(read_tokens), self._tensor(read_slots)) if len(read_tokens) else (None, None)
-        self.plan = StepPlan(num_tokens, passes, *fused, *reading, True)
+        self._position[slots] = last
+        if not same:  # (else the entries are set: the same tokens read and write the same slots)
+            self._set_tokens = num_tokens
+            host["token_reads"][read_tokens] = True
+            host["token_source"][read_tokens] = read_slots
+            host["token_write"][end - 1] = slots
+            if not self._shared:
+                for name in host:
+                    getattr(self, name)[:num_tokens].copy_(torch.from_numpy(host[name][:num_tokens]), non_blocking=True)
+            self._kept = (rows.req_ids, self._freed, num_tokens) if decode else None
+        self.plan = StepPlan(num_tokens, passes, *fused, gathered, True)
         self.stats["steps"] += 1
         self.stats["max_passes"] = max(self.stats["max_passes"], passes)
         return self.plan
@@ -194,27 +227,35 @@ class FeedbackState:
         return tensor if self._shared else tensor.to(self.buffer.device)
 
     def finish(self) -> None:
-        """After the step: the index tensors neutral again (no reads, writes to scratch) and no plan."""
-        plan, self.plan = self.plan, None
-        if plan is None or not plan.feedback:
-            return
-        n = plan.num_tokens
-        for name in ("token_reads", "token_write"):
-            self._host[name][:n] = 0
-            if not self._shared:
-                getattr(self, name)[:n].zero_()
+        """After the step: no plan, and the index tensors neutral again unless they hold a decode
+        step's entries (kept for the next one: ``prepare``)."""
+        self.plan = None
+        if self._kept is None:
+            self.neutral()
 
-    def gather(self, project: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Before pass 1: the tokens fed from the buffer take W_U s of their slot's state (``project``)."""
+    def neutral(self) -> None:
+        """The index tensors neutral: no reads, every write to scratch (before any step that does not
+        keep the previous one's entries, and before a forward without a plan: vLLM's dummy runs)."""
+        n, self._set_tokens, self._kept = self._set_tokens, 0, None
+        if n:
+            for name in ("token_reads", "token_write"):  # token_source is read only where token_reads is set
+                self._host[name][:n] = 0
+                if not self._shared:
+                    getattr(self, name)[:n].zero_()
+
+    def gather(self, project: Project) -> None:
+        """Before pass 1: W_U of the buffer's rows the step's reading tokens take, one product over
+        the slots up to the highest they read (slots are handed out lowest first, so those in use
+        stay packed), written into ``values``."""
         plan = self.plan
-        if plan is not None and plan.reads is not None:
-            self.carried.index_copy_(0, plan.reads, project(self.buffer.index_select(0, plan.read_slots)))
+        if plan is not None and plan.gathered:
+            project(self.buffer[: plan.gathered], self.values[: plan.gathered])
 
-    def carry(self, top: torch.Tensor, plan: StepPlan, j: int, project: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def carry(self, top: torch.Tensor, plan: StepPlan, j: int, project: Project) -> None:
         """Before pass j > 1: the tokens the plan still fuses at pass j take W_U s^{(j-1)}_{t-1}, of the
         previous position's top state in pass j - 1; the others keep their input."""
         index = plan.fuse_index[plan.fuse_until >= j]
-        self.carried.index_copy_(0, index, project(top.index_select(0, index - 1)))
+        self.values.index_copy_(0, index + self.slots, project(top.index_select(0, index - 1), None))
         self.token_reads[index] = True
 
     def write(self, top: torch.Tensor) -> None:
