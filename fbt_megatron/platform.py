@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import os
 import sys
 
@@ -211,6 +212,7 @@ def init_distributed(
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:  # torchrun / srun with the env:// variables
+            _whole_lines()
             if on_gpu():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend(), timeout=timeout)
@@ -225,6 +227,15 @@ def init_distributed(
             distributed_timeout_minutes=max(1, -(-timeout_s // 60)),
         )
     seed(seed_value)
+
+
+def _whole_lines() -> None:
+    """Each printed line one write: the ranks share one output (torchrun's, srun's), and under
+    ``python -u`` / PYTHONUNBUFFERED (common in Slurm scripts) a print writes its text and its
+    newline apart, so another rank's line could land between them."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(write_through=False, line_buffering=True)
 
 
 def _free_port() -> int:

@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch.distributed as dist
-
 from fbt_megatron import checkpointing
 from fbt_megatron.cli import plural
 from fbt_megatron.errors import RecipeError
@@ -29,7 +27,7 @@ from fbt_megatron.stopping import STATUS, stop_line, write_status
 
 class Saver:
     """The checkpoints of one training run from ``state``'s iteration on; ``verbose``: say what
-    saving cost (one rank)."""
+    saving cost and why it stopped (one rank: the one that logs)."""
 
     def __init__(self, recipe: Recipe, model, optimizer, scheduler, state, verbose: bool):
         c = recipe.checkpoint
@@ -78,7 +76,7 @@ class Saver:
                   f"held up training {self.save_time:.1f} s" + (" (written in the background: --async-save)" if self.background else ""),
                   flush=True)
         write_status(c.save, self.ending or "finished", state.iteration, t.train_iters, self.last, stop.signal, _counts(state))
-        if self.reason and dist.get_rank() == 0:
+        if self.reason and self.verbose:  # the rank whose lines the log holds: one process writes them, in order
             print(stop_line(stop.describe(self.reason), state.iteration, c.save, self.last), flush=True)
 
 

@@ -113,10 +113,11 @@ class StopCheck:
             self.signal = name
             if os.environ.get("RANK", "0") == "0":
                 again = " (Ctrl-C again to abort now)" if signum == signal.SIGINT else ""
-                print(f"{name} received: saving a checkpoint and stopping at the next step boundary{again}", flush=True)
+                # one write (end=""): the other ranks write to the same stream, unbuffered under python -u
+                print(f"{name} received: saving a checkpoint and stopping at the next step boundary{again}\n", end="", flush=True)
         elif signal.SIGINT in (signum, signal.Signals[self.signal]):  # a second Ctrl-C: abort at once, as users expect
             what = f"a second {name}" if name == self.signal else f"{name} after {self.signal}"
-            print(f"aborted by {what}: no checkpoint written", file=sys.stderr, flush=True)
+            print(f"aborted by {what}: no checkpoint written\n", end="", file=sys.stderr, flush=True)
             os._exit(130)
 
     def start_step(self) -> None:

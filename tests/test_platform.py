@@ -1,5 +1,7 @@
 """The CPU platform layer: megatron-core's CUDA-only call sites work, RNG streams behave."""
 
+import re
+
 import pytest
 import torch
 from megatron.core import tensor_parallel
@@ -43,3 +45,39 @@ def test_bad_model_config_is_one_clear_error():
         make_config("tiny", hiden_size=3)
     with pytest.raises(ValueError, match="prefix_mixin_prob"):
         make_config("tiny", prefix_mixin_prob=2.0)
+
+
+_RANK_PRINTS = """
+import sys
+from fbt_megatron import platform
+platform.init_distributed(timeout_s=120)
+rank = sys.argv[1]
+for i in range(2000):
+    print(f"rank {rank} line {i} " + "x" * 40, flush=True)
+"""
+
+
+def test_ranks_sharing_one_output_under_python_u_write_whole_lines(tmp_path):
+    """Two real ranks (env:// as torchrun and srun start them) print to one file under
+    PYTHONUNBUFFERED=1, as Slurm scripts often set it: every line arrives whole. (Unbuffered, a
+    print writes its text and its newline apart, and most lines come out torn.)"""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "out.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        ranks = [subprocess.Popen([sys.executable, "-c", _RANK_PRINTS, str(r)], cwd=Path(__file__).parent.parent, stdout=out,
+                                  stderr=subprocess.PIPE, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+        errors = [p.communicate(timeout=300)[1].decode() for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], errors
+    lines = log.read_text().splitlines()
+    torn = [line for line in lines if not re.fullmatch(r"rank [01] line \d+ x{40}", line)]
+    assert len(lines) == 4000 and not torn, torn[:5]
