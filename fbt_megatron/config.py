@@ -163,8 +163,9 @@ def make_config(preset: str, **overrides) -> FBTConfig:
     fields.setdefault("params_dtype", torch.float32)
     fields.setdefault("pipeline_dtype", fields["params_dtype"])  # what stages send each other
     # CPU: initialise full weights then split them, so every TP layout starts identical (PP changes
-    # the order layers are initialised in: compare PP layouts from a seed checkpoint)
-    fields.setdefault("use_cpu_initialization", not platform.on_gpu())
+    # the order layers are initialised in: compare PP layouts from a seed checkpoint); a device (a GPU,
+    # or the simulated one of the tests) initialises each rank's shard where it lives, as megatron does
+    fields.setdefault("use_cpu_initialization", platform.device().type == "cpu")
     return FBTConfig(**fields)
 
 

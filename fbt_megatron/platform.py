@@ -11,6 +11,9 @@ Without one: CPU + gloo, and `install()` makes megatron-core's CUDA-only call si
     nothing to wait for (CPU work runs in program order);
   * the model-parallel RNG tracker keeps CPU generator states (the device generator *is* the
     CPU generator here), so forked dropout and activation recompute replay the same numbers.
+With ``FBT_SIMULATED_DEVICE=1`` (tests): the same CPU set-up, but the compute device is
+``fakegpu:0`` and the default backend ``fakenccl`` (``simulated_device``): a device that is not the
+host, so that host tensors on device groups fail as on NCCL. CUDA call sites then go to that device.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from fbt_megatron import compat, megatron_fixes, processes
+from fbt_megatron import compat, megatron_fixes, processes, simulated_device
 
 _installed = False
 
@@ -34,12 +37,28 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def simulated() -> bool:
+    """The compute device is a simulated one that is not the host (``simulated_device``)."""
+    return not on_gpu() and simulated_device.requested()
+
+
 def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+    if on_gpu():
+        return torch.device("cuda", torch.cuda.current_device())
+    return simulated_device.device() if simulated() else torch.device("cpu")
 
 
 def backend() -> str:
-    return "nccl" if on_gpu() else "gloo"
+    if on_gpu():
+        return "nccl"
+    return simulated_device.BACKEND if simulated() else "gloo"
+
+
+def generator(device) -> torch.Generator:
+    """A new generator for draws on ``device``; the simulated device draws from a host generator
+    (its tensors compute on the host), so its numbers are a CPU run's."""
+    simulated_type = torch.device(device).type == simulated_device.DEVICE_TYPE
+    return torch.Generator(device="cpu" if simulated_type else device)
 
 
 def have_transformer_engine() -> bool:
@@ -70,22 +89,24 @@ def _is_cuda(dev) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA device arguments to the CPU for code written for GPUs only."""
+    """Rewrites CUDA device arguments to this process's device (the CPU, or the simulated device)
+    for code written for GPUs only."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        target = device()
         if func is torch.Tensor.cuda:
-            return args[0]
+            return args[0].to(target)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             # megatron's optimizers pick code paths by CUDA type names ('torch.cuda.FloatTensor')
             if sys._getframe(1).f_globals.get("__name__", "").startswith("megatron.core.optimizer"):
-                name = name.replace("torch.", "torch.cuda.", 1)
+                name = "torch.cuda." + name.split(".")[-1]
             return name
         if _is_cuda(kwargs.get("device")):
-            kwargs = {**kwargs, "device": "cpu"}
+            kwargs = {**kwargs, "device": target}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
+            args = (args[0], target, *args[2:])
         return func(*args, **kwargs)
 
 
@@ -158,7 +179,9 @@ def install() -> None:
         return
     from megatron.core.tensor_parallel import random as mp_random
 
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    if simulated():
+        simulated_device.install()
+    torch.cuda.current_device = device
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _CpuStream()
     # activation recompute saves/restores "the device generator": on CPU that is the CPU one

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from fbt_megatron import platform
+
 PREFIX, JITTER, SCHEDULE = 1, 2, 3  # the streams
 
 
@@ -22,4 +24,4 @@ def sequence_seed(seed: int, sample: int) -> int:
 def generator(seed: int, index: int, stream: int, device) -> torch.Generator:
     """A generator fixed by (seed, index, stream): (sequence seed, pass) or (run seed, step)."""
     mixed = (seed * 1_000_003 + index * 7_919 + stream) % (2**63 - 1)
-    return torch.Generator(device=device).manual_seed(mixed)
+    return platform.generator(device).manual_seed(mixed)

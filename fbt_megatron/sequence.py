@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from fbt_megatron import platform
+
 
 def shard_positions(seq_length: int, cp_rank: int, cp_size: int, sp_rank: int, sp_size: int) -> torch.Tensor:
     """Global positions (0-based) of the rows one rank holds, in its local order."""
@@ -94,8 +96,12 @@ def _layout(seq_length: int, sequence_parallel: bool, context_parallel: bool) ->
         group = ps.get_tensor_and_context_parallel_group()
     else:
         group = ps.get_context_parallel_group() if cp_size > 1 else ps.get_tensor_model_parallel_group()
-    gathered = [torch.empty_like(positions) for _ in range(group.size())]
-    dist.all_gather(gathered, positions, group=group)  # once per process: the group's rank order
+    # once per process: the group's rank order. On the device: TP and CP groups are NCCL on GPUs,
+    # which takes device tensors only (tests see it on the simulated device: platform)
+    on_device = positions.to(platform.device())
+    gathered = [torch.empty_like(on_device) for _ in range(group.size())]
+    dist.all_gather(gathered, on_device, group=group)
+    gathered = [g.cpu() for g in gathered]
     width = 2 if cp_size > 1 else 1
     return SequenceLayout(seq_length, positions, group, _halo_plan(gathered, group.rank(), width))
 

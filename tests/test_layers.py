@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).parent.parent / "fbt_megatron"
 
 LAYERS = [
     ("ground floor: errors, the platform, checkpoints, data, the sequence layout, stopping and failures",
-     ["errors", "decode_modes", "folders", "compat", "processes", "megatron_fixes", "platform", "cli", "stopping",
+     ["errors", "decode_modes", "folders", "compat", "processes", "megatron_fixes", "simulated_device", "platform",
+      "cli", "stopping",
       "checkpointing", "data", "seeds", "sequence", "offload", "resilience",
       "layers"]),
     ("configuration: the model config, recipes and their flags, the pass schedule, the losses",
