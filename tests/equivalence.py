@@ -1,4 +1,6 @@
-"""Compare what equivalence_worker.py wrote at two parallel layouts, tensor by tensor, at TP=PP=1."""
+"""Compare runs at two parallel layouts: what equivalence_worker.py wrote, tensor by tensor, at TP=PP=1
+(``compare``); what the training entry point logged (``worst_difference`` of its ``metrics.jsonl``
+records, for runs with the ``ENTRY`` flags)."""
 
 import json
 from pathlib import Path
@@ -43,3 +45,29 @@ def compare(reference, other) -> dict:
             worst[kind] = max(relative(a[name], b[name]) for name in a)
         out[trial] = worst
     return out
+
+
+# ---------------------------------------------------------------- the entry point's logs
+ENTRY = [
+    "--recipe", "recipes/tiny_cpu.yaml", "--threads", "1", "--seq-length", "64", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--train-iters", "6", "--lr-warmup-iters", "1", "--log-interval", "1",
+    "--eval-interval", "3", "--eval-iters", "1", "--save-interval", "3", "--tensorboard", "false",
+    "--pass-phases", "[{start: 0.0, mixture: {1: 0.4, 2: 0.3, 3: 0.3}}]",
+]
+
+
+def corpus_flags(corpus) -> list:
+    return ["--data-path", str(Path(corpus.train_prefix).parent), "--corpus", "null"]
+
+
+def worst_difference(expected: list, got: list) -> float:
+    """Largest relative difference over steps of loss, per-pass losses, ‖Δs‖, grad norm, validation."""
+    assert [r["step"] for r in expected] == [r["step"] for r in got] and [r["k"] for r in expected] == [r["k"] for r in got]
+    worst = 0.0
+    for e, g in zip(expected, got):
+        keys = ["loss", "grad_norm"] + [key for key in e if key.startswith("valid_loss")]
+        assert len(e["state_deltas"]) == len(g["state_deltas"]) == e["k"] - 1
+        pairs = [(e[key], g[key]) for key in keys] + list(zip(e["pass_losses"], g["pass_losses"]))
+        pairs += list(zip(e["state_deltas"], g["state_deltas"]))
+        worst = max([worst] + [abs(a - b) / abs(a) for a, b in pairs])
+    return worst

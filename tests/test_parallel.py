@@ -4,7 +4,8 @@
   megatron-core full / megatron-core selective / pass-level and full with their inputs offloaded
   to host memory, the per-pass losses of two steps, the first step's reduced gradients and the
   weights after the second step equal the single-process run's within 1e-5 relative.
-* The SP/CP shift of the carried state equals the whole-sequence shift, values and gradients.
+* The SP/CP shift of the carried state equals the whole-sequence shift, values and gradients, on
+  the simulated device (``tests/test_device_contracts.py``): its groups take device tensors only.
 * The entry point as forked ranks (torchrun's environment) logs the same losses at TP2×PP2 and PP2×DP2 as alone, and
   checkpoints move between layouts (TP2×PP2 → 1 process, 1 process → TP2×PP2, PP2×DP2 → 1).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import equivalence
+from equivalence import ENTRY, corpus_flags, worst_difference
 from fbt_megatron.config import PRESETS
 from fbt_megatron.passes import PassPhase, PassSchedule
 from fbt_megatron.metrics import read_metrics
@@ -42,10 +44,6 @@ MODES = {
     "pp2_dp2_overlap": ["none", "passes", "full"],
 }
 TOLERANCE = 1e-5
-
-
-def corpus_flags(corpus) -> list:
-    return ["--data-path", str(Path(corpus.train_prefix).parent), "--corpus", "null"]
 
 
 # ---------------------------------------------------------------- the equivalence matrix
@@ -144,7 +142,8 @@ def check_offloaded_bytes(folder: Path, nproc: int, flags: list):
 # ---------------------------------------------------------------- the shift across shards
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,layouts", [(2, ["2,1", "1,2"]), (4, ["1,4", "2,2"])])  # (TP, CP) layouts per launch
-def test_sharded_shift_equals_whole_sequence_shift(nproc, layouts, tmp_path):
+def test_sharded_shift_equals_whole_sequence_shift(nproc, layouts, tmp_path, monkeypatch):
+    monkeypatch.setenv("FBT_SIMULATED_DEVICE", "1")  # TP and CP groups take device tensors only, as on NCCL
     code, text = launch(tmp_path / "shift.log", DISTRIBUTED / "sequence_worker.py", *(f"--layout={x}" for x in layouts), nproc=nproc)
     assert code == 0, text[-3000:]
     for layout in layouts:
@@ -154,12 +153,6 @@ def test_sharded_shift_equals_whole_sequence_shift(nproc, layouts, tmp_path):
 
 
 # ---------------------------------------------------------------- the entry point at every layout
-ENTRY = [
-    "--recipe", "recipes/tiny_cpu.yaml", "--threads", "1", "--seq-length", "64", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--train-iters", "6", "--lr-warmup-iters", "1", "--log-interval", "1",
-    "--eval-interval", "3", "--eval-iters", "1", "--save-interval", "3", "--tensorboard", "false",
-    "--pass-phases", "[{start: 0.0, mixture: {1: 0.4, 2: 0.3, 3: 0.3}}]",
-]
 ENTRY_LAYOUTS = {
     "single": (1, []),
     # the entry point's own wiring (data per DP rank, logged reductions, validation, checkpoints) at
@@ -216,19 +209,6 @@ class EntryRuns:
 @pytest.fixture(scope="module")
 def entry(small_corpus, tmp_path_factory):
     return EntryRuns(tmp_path_factory.mktemp("entry"), small_corpus)
-
-
-def worst_difference(expected: list, got: list) -> float:
-    """Largest relative difference over steps of loss, per-pass losses, ‖Δs‖, grad norm, validation."""
-    assert [r["step"] for r in expected] == [r["step"] for r in got] and [r["k"] for r in expected] == [r["k"] for r in got]
-    worst = 0.0
-    for e, g in zip(expected, got):
-        keys = ["loss", "grad_norm"] + [key for key in e if key.startswith("valid_loss")]
-        assert len(e["state_deltas"]) == len(g["state_deltas"]) == e["k"] - 1
-        pairs = [(e[key], g[key]) for key in keys] + list(zip(e["pass_losses"], g["pass_losses"]))
-        pairs += list(zip(e["state_deltas"], g["state_deltas"]))
-        worst = max([worst] + [abs(a - b) / abs(a) for a, b in pairs])
-    return worst
 
 
 @pytest.mark.slow

@@ -3,7 +3,9 @@ state; the distributed shift must equal the whole-sequence right shift at those 
 backward must give every row the gradient the whole-sequence computation gives it. Under CP the
 ranks' loss shares (their token losses over the loss tokens of whole sequences) must add up to
 the whole sequences' masked mean. Each ``--layout TP,CP`` of the world size is checked in turn
-(one launch: start-up paid once)."""
+(one launch: start-up paid once). Tensors live on ``platform.device()``: under
+``FBT_SIMULATED_DEVICE=1`` a device that is not the host, whose TP and CP groups take device tensors
+only, as NCCL's do."""
 
 import argparse
 import sys
@@ -50,8 +52,8 @@ def check(args) -> bool:
     platform.init_distributed(args.tp, context_parallel_size=args.cp)
     config = SimpleNamespace(sequence_parallel=args.tp > 1, context_parallel_size=args.cp)
     layout = sequence_layout(config, args.seq)
-    g = torch.Generator().manual_seed(0)
-    state, weight = torch.randn(args.seq, 3, 8, generator=g), torch.randn(args.seq, 3, 8, generator=g)
+    g, device = torch.Generator().manual_seed(0), platform.device()
+    state, weight = (torch.randn(args.seq, 3, 8, generator=g).to(device) for _ in range(2))
 
     whole = state.clone().requires_grad_()
     shifted_whole = torch.cat([torch.zeros_like(whole[:1]), whole[:-1]])
@@ -63,12 +65,12 @@ def check(args) -> bool:
 
     value_error = (shifted - layout.local(shifted_whole.detach())).abs().max().item()
     grad_error = (local.grad - layout.local(whole.grad)).abs().max().item()
-    covered = torch.zeros(args.seq)
+    covered = torch.zeros(args.seq, device=device)
     covered[layout.positions] = 1
     dist.all_reduce(covered)
     ok = value_error == 0 and grad_error == 0 and bool((covered == 1).all())  # every position on one rank
 
-    token_loss, loss_mask = torch.rand(3, args.seq, generator=g), torch.rand(3, args.seq, generator=g) > 0.3
+    token_loss, loss_mask = torch.rand(3, args.seq, generator=g).to(device), torch.rand(3, args.seq, generator=g).to(device) > 0.3
     if args.cp > 1:  # [b, s] batches are split along s by CP (not by SP)
         cp_only = sequence_layout(SimpleNamespace(sequence_parallel=False, context_parallel_size=args.cp), args.seq)
         columns = cp_only.positions
