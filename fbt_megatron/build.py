@@ -30,7 +30,9 @@ def build_model(recipe: Recipe, vocab_size: int):
     o, p = recipe.optimizer, recipe.parallel
     dtype = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
     layout = {name: getattr(p, name) for name in LAYOUT}
-    config = recipe_config(recipe, vocab_size, **layout, bf16=o.bf16, fp16=o.fp16, params_dtype=dtype)
+    config = recipe_config(recipe, vocab_size, **layout, bf16=o.bf16, fp16=o.fp16, params_dtype=dtype,
+                           gradient_accumulation_fusion=recipe.model_overrides.get(  # into DDP's main_grad
+                               "gradient_accumulation_fusion", platform.gradient_accumulation_fusion()))
     spec = fbt_model_spec(config, local_attention=recipe.data.sft)  # packed SFT rows: an explicit attention mask
     model = FBTModel(config, spec, **pipeline.stage()).to(device=platform.device(), dtype=dtype)
     ddp = parallel_data.wrap(config, model, p.overlap_grad_reduce, optimizers.ddp_shards_gradients(recipe))

@@ -69,6 +69,8 @@ class FBTConfig(TransformerConfig):
             # megatron/TE convention (left, right): W tokens including the current one
             self.window_size = (self.sliding_window - 1, 0)
             self.window_attn_skip_freq = self.full_attention_every
+        if self.context_parallel_size > 1 and self.sliding_window is not None:
+            self.cp_comm_type = windowed_cp_comm_type(self)
         if not 0.0 <= self.prefix_mixin_prob <= 1.0:
             raise ValueError(f"prefix_mixin_prob must be in [0, 1], got {self.prefix_mixin_prob}")
         if not 0.0 < self.prefix_mixin_max_fraction <= 1.0:
@@ -80,6 +82,33 @@ class FBTConfig(TransformerConfig):
                 "offload_recompute_inputs moves the inputs of recomputed regions: it needs recompute_passes, "
                 "or recompute_granularity 'full' with recompute_method 'uniform'"
             )
+
+
+# Transformer Engine's context parallelism supports sliding windows only with these communication
+# types (TE attn_forward_func_with_cp: "Context parallelism does not support sliding window attention
+# with cp_comm_type='p2p'"); megatron-core passes 'p2p' when cp_comm_type is None.
+WINDOWED_CP_COMM_TYPES = ("a2a", "all_gather")
+
+
+def windowed_cp_comm_type(config) -> str:
+    """The CP communication type of a model with a sliding window: the one asked for, if TE accepts
+    it, else 'a2a' (TE's a2a needs the heads and KV groups of a TP rank to divide by CP), else
+    'all_gather'. One type for every layer: megatron-core 0.16.1 indexes a per-layer list off by one
+    (``config.cp_comm_type[self.layer_number]`` with 1-based layer numbers; fixed in 0.19)."""
+    asked, cp, tp = config.cp_comm_type, config.context_parallel_size, config.tensor_model_parallel_size
+    heads, groups = config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp
+    a2a_fits = heads % cp == 0 and groups % cp == 0
+    if isinstance(asked, (list, tuple)):
+        raise ValueError("cp_comm_type: give one type for every layer (megatron-core 0.16.1 reads a per-layer list "
+                         "off by one), e.g. cp_comm_type: a2a")
+    if asked is not None and asked not in WINDOWED_CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type {asked!r} with sliding_window {config.sliding_window}: Transformer Engine's "
+                         f"context parallelism takes windows only with {' or '.join(WINDOWED_CP_COMM_TYPES)}; set "
+                         "cp_comm_type to one of them, or leave it unset to have one chosen")
+    if asked == "a2a" and not a2a_fits:
+        raise ValueError(f"cp_comm_type 'a2a' needs the {heads} heads and {groups} KV groups of a TP rank to divide by "
+                         f"CP {cp}: use cp_comm_type all_gather, or another TP / CP")
+    return asked or ("a2a" if a2a_fits else "all_gather")
 
 
 # Presets: the paper's architecture at two sizes. Fields not listed take FBTConfig's defaults.
@@ -96,8 +125,6 @@ _COMMON = dict(
     bias_dropout_fusion=False,
     masked_softmax_fusion=False,
     persist_layer_norm=False,
-    apply_rope_fusion=False,
-    gradient_accumulation_fusion=False,
     init_method_std=0.02,
 )
 
@@ -166,6 +193,7 @@ def make_config(preset: str, **overrides) -> FBTConfig:
     # the order layers are initialised in: compare PP layouts from a seed checkpoint); a device (a GPU,
     # or the simulated one of the tests) initialises each rank's shard where it lives, as megatron does
     fields.setdefault("use_cpu_initialization", platform.device().type == "cpu")
+    fields.setdefault("apply_rope_fusion", platform.have_transformer_engine())  # TE's kernel of the same RoPE
     return FBTConfig(**fields)
 
 

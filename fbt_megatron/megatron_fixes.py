@@ -116,7 +116,9 @@ def _write_results_queue() -> None:
     whole training state that lives as long as the run: every page training rewrites afterwards
     becomes the manager's own, up to a second copy of the state (measured at fbt-1b's width: 3.7 GiB
     of a 4 GiB process with 2 layers after one more step; the OOM kill of the 24 layers). A run that
-    saves therefore starts it before building its model (``start_write_results_queue``)."""
+    saves therefore starts it before building its model (``start_write_results_queue``), and before
+    its process group: upstream spawns the manager because a fork after CUDA and NCCL have started
+    copies a process with their threads (a child that touches them can deadlock)."""
     import multiprocessing
     import signal
 
@@ -137,7 +139,8 @@ def _write_results_queue() -> None:
 
 def start_write_results_queue() -> None:
     """Start the checkpoint writers' results-queue manager now, while this process holds no model
-    (``_write_results_queue``): before building the model of a run that saves, after ``apply()``."""
+    and has not started CUDA or NCCL (``_write_results_queue``): before ``init_distributed`` in a
+    run that saves, after ``apply()`` (``platform.install()``)."""
     assert _applied, "megatron_fixes.apply() (platform.install()) first: else megatron-core's own manager is started"
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 

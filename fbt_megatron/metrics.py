@@ -250,7 +250,9 @@ def header(recipe, model, vocab: int, data, schedule: dict, start: int) -> str:
         f"fbt-megatron: {recipe.model.preset}, {sum(q.numel() for q in model.parameters()):,} parameters on this rank, "
         f"vocabulary {tokenizer_vocab:,}" + (f" (padded to {vocab:,})" if vocab != tokenizer_vocab else "") + "\n"
         f"  data {data.source}; world {dist.get_world_size()} (tp {p.tensor_model_parallel_size}, "
-        f"pp {p.pipeline_model_parallel_size}, cp {p.context_parallel_size}, dp {parallel_state.get_data_parallel_world_size()}); "
+        f"pp {p.pipeline_model_parallel_size}, cp {p.context_parallel_size}"
+        + (f" over {model.config.cp_comm_type}" if model.config.cp_comm_type else "")
+        + f", dp {parallel_state.get_data_parallel_world_size()}); "
         f"steps {start}→{t.train_iters} of {t.global_batch_size} × {recipe.data.seq_length} tokens\n"
         f"  learning rate: {describe_schedule(schedule, t.train_iters)}\n"
         f"  passes: {pass_schedule(recipe).describe()}\n"

@@ -170,4 +170,17 @@ def recomputed_pass(config, forward: Callable, embeddings, labels, received, bac
         return forward(embeddings, labels, received)
     held = (received,) if config.pipeline_model_parallel_size > 1 else ()
     with offloading(config, recomputed=True, keep=held):
-        return tensor_parallel.checkpoint(forward, False, embeddings, labels, received)
+        return checkpoint(config, forward, embeddings, labels, received)
+
+
+def checkpoint(config, forward: Callable, *args):
+    """Activation checkpointing as megatron-core's TransformerBlock chooses it: Transformer Engine's
+    under FP8 (only it marks the recompute, so that the recomputed forward quantizes with the scales
+    of the first and does not update the delayed-scaling amax history twice), megatron's otherwise."""
+    if config.fp8 or config.fp4:
+        from megatron.core import parallel_state
+        from megatron.core.extensions.transformer_engine import te_checkpoint
+
+        return te_checkpoint(forward, False, tensor_parallel.get_cuda_rng_tracker,
+                             parallel_state.get_tensor_model_parallel_group(check_initialized=False), *args)
+    return tensor_parallel.checkpoint(forward, False, *args)

@@ -62,14 +62,28 @@ def generator(device) -> torch.Generator:
 
 
 def have_transformer_engine() -> bool:
-    """True when Transformer Engine is importable *and* usable (it needs CUDA)."""
+    """True when Transformer Engine's PyTorch modules import on a CUDA machine. The top-level
+    ``transformer_engine`` imports without them (its ``__init__`` does not load ``.pytorch``), so a
+    TE built against another torch would pass that and fail in megatron-core's TE spec."""
     if not on_gpu():
         return False
     try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):  # OSError: a TE library built against another torch or CUDA
         return False
     return True
+
+
+def gradient_accumulation_fusion() -> bool:
+    """Whether weight gradients can be accumulated by their GEMM straight into DDP's fp32
+    ``main_grad`` (no bf16 ``.grad`` and add; megatron-core's ``gradient_accumulation_fusion``):
+    TE's linears do it, megatron-core's own (the headwise gate, the output layer) need Apex's
+    ``fused_weight_gradient_mlp_cuda``. Only for models in megatron-core's DDP, which makes ``main_grad``."""
+    if not have_transformer_engine():
+        return False
+    from megatron.core.tensor_parallel import layers
+
+    return layers._grad_accum_fusion_available
 
 
 def require_transformer_engine(what: str) -> None:

@@ -335,6 +335,18 @@ class Recipe:
             phases.append((step, mixture))
         return phases
 
+    def context_parallel_config(self):
+        """The model's config at this recipe's TP / SP / CP: under CP, Transformer Engine's communication
+        type is chosen there (``config.windowed_cp_comm_type``); a type TE refuses is a RecipeError."""
+        from fbt_megatron.config import recipe_config
+
+        p = self.parallel
+        try:
+            return recipe_config(self, tensor_model_parallel_size=p.tensor_model_parallel_size,
+                                 sequence_parallel=p.sequence_parallel, context_parallel_size=p.context_parallel_size)
+        except ValueError as e:
+            raise RecipeError(f"model: {e}") from None
+
     def validate(self, world_size: int = 1, this_machine: bool = True) -> None:
         """RecipeError for the first thing wrong; ``this_machine=False`` (planning a run for other
         machines) skips what only this machine's software decides (Transformer Engine for CP)."""
@@ -407,6 +419,7 @@ class Recipe:
                 raise RecipeError(f"data.seq_length {self.data.seq_length} does not split into {chunks} equal chunks (context parallel)")
             if this_machine and not platform.have_transformer_engine():
                 raise RecipeError("parallel.context_parallel_size > 1 needs Transformer Engine attention (a CUDA machine with the GPU extras)")
+            self.context_parallel_config()
         if o.bf16 and o.fp16:
             raise RecipeError("optimizer.bf16 and optimizer.fp16 are exclusive")
         if not 0 <= o.lr_wsd_decay_fraction <= 1:

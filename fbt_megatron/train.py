@@ -56,10 +56,11 @@ def train(recipe: Recipe) -> List[dict]:
     origin = stages.start_of(recipe)  # resume, weights of another run (a stage), or None: from scratch
     saved = origin.saved if origin is not None and not origin.weights_only else None
     schedule, schedule_note = choose_schedule(recipe, saved)
+    platform.install()
+    if c.save:  # its checkpoint writers' manager, forked while small, before CUDA and NCCL (megatron_fixes)
+        megatron_fixes.start_write_results_queue()
     platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed,
                               context_parallel_size=p.context_parallel_size, timeout_s=60 * t.distributed_timeout_minutes)
-    if c.save:  # its checkpoint writers' manager, forked while this process is small (megatron_fixes)
-        megatron_fixes.start_write_results_queue()
     data = build_data(recipe, dist.get_rank())
     vocab = data.tokenizer.padded_vocab_size(p.tensor_model_parallel_size, recipe.data.make_vocab_size_divisible_by)
     stages.check_vocabulary(origin, vocab)

@@ -89,3 +89,17 @@ def test_kept_tensors_stay_and_the_rest_come_back_equal():
     out.sum().backward()
     torch.testing.assert_close(a.grad, (a * b).cos() * b, rtol=0, atol=0)
     torch.testing.assert_close(b.grad, (a * b).cos() * a, rtol=0, atol=0)
+
+
+def test_fp8_recompute_goes_through_transformer_engines_checkpoint():
+    """Under FP8 a recomputed pass must use TE's checkpoint (it keeps the delayed-scaling scales of
+    the first forward), as megatron-core's TransformerBlock does; megatron's checkpoint otherwise.
+    Without TE (this CPU) megatron's te_checkpoint is reached and says TE is not installed."""
+    from fbt_megatron.offload import checkpoint
+
+    x = torch.randn(4, requires_grad=True)
+    plain = checkpoint(make_config("tiny"), lambda a, b: a * b, x, torch.full((4,), 2.0))
+    plain.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 2.0))
+    with pytest.raises(ImportError, match="Transformer Engine is not installed"):
+        checkpoint(make_config("tiny", fp8="hybrid", recompute_passes=True), lambda a, b: a * b, x, x)

@@ -17,7 +17,7 @@ from fbt_megatron.cli import run_cli
 from fbt_megatron.metrics import tensorboard_scalars
 from fbt_megatron.plan import format_plan, make_plan, memory
 from fbt_megatron.plan.__main__ import main as plan_main
-from fbt_megatron.plan.flops import flops_per_token
+from fbt_megatron.plan.flops import flops_per_token, normuon_flops_per_step
 from fbt_megatron.plan.gpus import GPUS
 from fbt_megatron.plan.planner import batch_fit, vocab_size
 from fbt_megatron.recipe import Recipe, RecipeError, load_recipe
@@ -66,6 +66,23 @@ def test_flops_per_token_is_the_hand_formula():
     for k in (1, 2, 3):
         assert flops_per_token(plan.config, k) == pytest.approx(hand_flops(k), rel=1e-12)
     assert plan.flops_expected == pytest.approx((600 * hand_flops(1) + 176 * hand_flops(2) + 24 * hand_flops(3)) / 800)
+
+
+def test_the_wall_time_counts_normuons_newton_schulz():
+    """fbt-1b under NorMuon: 5 quintic Newton–Schulz steps per matrix, 4m²n + 2m³ each (m ≤ n),
+    written out per matrix; counted once per step under the distributed optimizer, once per DP
+    replica without it; the wall time is (model FLOPs + that) at the MFU."""
+    ns = lambda m, n: 5 * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)  # noqa: E731
+    layer = ns(H * DH, D) + 2 * ns(G * DH, D) + ns(D, H * DH) + ns(2 * F, D) + ns(D, F)
+    hand = L * layer + 2 * ns(D, D)  # + the fusion's W_U and W_G
+    recipe = load_recipe(str(ROOT / "recipes" / "fbt_1b_100b.yaml"))
+    assert recipe.optimizer.optimizer == "normuon" and recipe.parallel.use_distributed_optimizer
+    plan = make_plan(recipe, 8, GPUS["h100"])  # TP 2 × DP 4
+    assert normuon_flops_per_step(plan.config) == pytest.approx(hand, rel=1e-12) and plan.optimizer_flops == pytest.approx(hand)
+    work = plan.flops_expected * plan.tokens + hand * recipe.training.train_iters
+    assert plan.train_seconds == pytest.approx(work / (8 * GPUS["h100"].bf16_tflops * 1e12 * 0.4))
+    recipe.parallel.use_distributed_optimizer = False
+    assert make_plan(recipe, 8, GPUS["h100"]).optimizer_flops == pytest.approx(4 * hand)
 
 
 def test_a_layout_that_cannot_fit_is_refused_in_one_line(capsys):

@@ -16,7 +16,12 @@ forward+backward is 3 × forward):
 
 These are *model* FLOPs: recomputation (``recompute_passes``, full recompute) repeats forward work
 that is not counted, so MFU = model FLOPs / time / peak is comparable across recompute settings.
-The optimizer step is not counted either.
+The optimizer step is not counted in MFU; the planner's wall time adds NorMuon's, the one optimizer
+with matrix work (``normuon_flops_per_step``): Newton–Schulz's quintic iteration on an m × n matrix
+(m ≤ n; pytorch-optimizer's ``zero_power_via_newton_schulz_5`` transposes to that) costs
+X·Xᵀ 2m²n + A·A 2m³ + B·X 2m²n = 4m²n + 2m³ per step, 5 steps by default, once per matrix per step
+(the owner scheme under TP, layer-wise ownership under the distributed optimizer; every data-parallel
+replica repeats it without the latter).
 """
 
 from __future__ import annotations
@@ -60,6 +65,24 @@ def expected_flops_per_token(config, steps_per_k: Dict[int, float], seq_length: 
     """F averaged over a run's steps ({k: number of steps}, e.g. ``PassSchedule.expected_passes``)."""
     total = sum(steps_per_k.values())
     return sum(n * flops_per_token(config, k, seq_length) for k, n in steps_per_k.items()) / total
+
+
+def normuon_matrices(config, split_qkv: bool = True) -> list:
+    """(rows, columns) of each matrix NorMuon orthogonalises (``fbt_megatron.optimizers``): per layer
+    Q, K and V over all query groups (or QKV whole), the output projection, the MLP's fc1 and fc2;
+    the fusion's W_U and W_G. The headwise gate, norms and embeddings are Adam's."""
+    c = config
+    d, h, g, hidden = c.kv_channels, c.num_attention_heads, c.num_query_groups or c.num_attention_heads, c.hidden_size
+    qkv = [(h * d, hidden), (g * d, hidden), (g * d, hidden)] if split_qkv else [((h + 2 * g) * d, hidden)]
+    fc1 = ((2 if c.gated_linear_unit else 1) * c.ffn_hidden_size, hidden)
+    layer = [*qkv, (hidden, h * d), fc1, (hidden, c.ffn_hidden_size)]
+    return layer * c.num_layers + ([(hidden, hidden)] * 2 if c.latent_feedback else [])
+
+
+def normuon_flops_per_step(config, num_ns_steps: int = 5, split_qkv: bool = True) -> float:
+    """FLOPs of one NorMuon step's Newton–Schulz over every matrix once (module docstring)."""
+    return sum(num_ns_steps * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)
+               for m, n in normuon_matrices(config, split_qkv))
 
 
 class Throughput:

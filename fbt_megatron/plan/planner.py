@@ -42,12 +42,15 @@ class Plan:
     flops_single: float  # per token, k = 1
     flops_expected: float  # per token, averaged over the pass schedule
     tokens: int = 0
+    optimizer_flops: float = 0.0  # per step, over all ranks: NorMuon's Newton–Schulz (``flops.normuon_flops_per_step``)
     notes: List[str] = field(default_factory=list)
 
     @property
     def train_seconds(self) -> Optional[float]:
+        """Model FLOPs and the optimizer's matrix work at ``mfu`` of the peak."""
         peak = self.peak_tflops
-        return None if peak is None else self.flops_expected * self.tokens / (self.world_size * peak * 1e12 * self.mfu)
+        work = self.flops_expected * self.tokens + self.optimizer_flops * self.recipe.training.train_iters
+        return None if peak is None else work / (self.world_size * peak * 1e12 * self.mfu)
 
     @property
     def peak_tflops(self) -> Optional[float]:
@@ -198,10 +201,20 @@ def make_plan(recipe: Recipe, world_size: int, gpu: Optional[GPU] = None, gpu_me
         stages=stage_list, layout=layout, steps_per_k=steps_per_k, max_passes=max_passes, memory=estimates,
         chosen=chosen, flops_single=flops_lib.flops_per_token(config, 1),
         flops_expected=flops_lib.expected_flops_per_token(config, steps_per_k),
-        tokens=t.train_iters * t.global_batch_size * recipe.data.seq_length,
+        tokens=t.train_iters * t.global_batch_size * recipe.data.seq_length, optimizer_flops=optimizer_flops(recipe, config, dp),
     )
     check_fits(plan)
     return plan
+
+
+def optimizer_flops(recipe: Recipe, config, dp: int) -> float:
+    """NorMuon's Newton–Schulz FLOPs per step over all ranks: each matrix once under the distributed
+    optimizer (layer-wise ownership over DP × CP), once per DP × CP replica without it; 0 for Adam/SGD."""
+    o, p = recipe.optimizer, recipe.parallel
+    if o.optimizer != "normuon":
+        return 0.0
+    once = flops_lib.normuon_flops_per_step(config, o.muon_num_ns_steps, o.muon_split_qkv)
+    return once if p.use_distributed_optimizer else once * dp * p.context_parallel_size
 
 
 # ---------------------------------------------------------------- fitting the global batch to a world
@@ -325,7 +338,10 @@ def format_plan(plan: Plan) -> str:
         + f" (expected; peak memory at k = {plan.max_passes})",
         f"  FLOPs per token (model FLOPs, fwd+bwd): {plan.flops_single / 1e9:.4g} G at k = 1, "
         f"{plan.flops_expected / 1e9:.4g} G with the pass schedule (×{plan.flops_expected / plan.flops_single:.3f}); "
-        f"run total {plan.flops_expected * plan.tokens:.3e}",
+        f"run total {plan.flops_expected * plan.tokens:.3e}"
+        + (f"; NorMuon's Newton–Schulz {plan.optimizer_flops:.3g} per step "
+           f"(+{plan.optimizer_flops * t.train_iters / (plan.flops_expected * plan.tokens):.1%} of the wall time)"
+           if plan.optimizer_flops else ""),
     ]
     if plan.train_seconds is not None:
         lines.append(f"  wall time at {plan.mfu:.0%} MFU ({plan.peak_tflops:g} TFLOP/s peak per GPU): {_duration(plan.train_seconds)}")
