@@ -1,18 +1,25 @@
 """One short check of a GPU machine (run by tools/gpu_check.sh; a few minutes on an H100/H200).
 
-1. the environment (GPUs, torch, megatron-core, Transformer Engine);
+1. the environment (GPUs, torch, megatron-core, Transformer Engine) and the container's imports
+   (megatron-core, Transformer Engine's PyTorch modules and this project in one Python);
 2. the Transformer Engine spec against the local spec with the same weights: per-pass losses and
-   gradients of the k-pass step, k = 1, 2, 3, in FP32 (TF32 off); then BF16 and FP8 (delayed scaling).
-   Without Transformer Engine: the local spec in BF16 against FP32, the TE and FP8 checks skipped
-   (one line each), and everything below on the local spec;
+   gradients of the k-pass step, k = 1, 2, 3, in FP32 (TF32 off); then BF16 and FP8 (delayed scaling),
+   and FP8 k = 3 with pass recompute on against off (the recompute must quantize as the forward did);
+   then the attention kernels that train the model — TE in BF16 (flash / fused attention) against the
+   local spec in BF16 at fbt-1b's head geometry (16 query / 8 KV heads of 96, window 2048 in 5 of 6
+   layers), with a control without the window that must differ. Without Transformer Engine: the local
+   spec in BF16 against FP32, the TE, FP8 and kernel checks skipped (one line each), and everything
+   below on the local spec;
 3. fbt-1b throughput, MFU and peak memory in BF16 for k = 1, 2, 3 and k = 3 with recompute_passes (and
    the planner's memory estimate, fbt_megatron/plan, against the measured peak at k = 3);
    then at long context (32K), k = 3, the recompute inputs kept on the GPU against offloaded to host
    memory by offload_recompute_inputs and by DeepSpeed's cpu_checkpointing (when installed): peak
    memory, step time, and the same gradients;
-4. with 2+ GPUs: TP=2 and CP=2 (CP: with Transformer Engine) against 1 GPU through the training
-   entry point (NCCL);
-5. a summary table. Exit code: 0 all that ran passed, 1 a check failed, 2 megatron-core missing.
+4. with 2+ GPUs, through the training entry point (NCCL) against 1 GPU: TP=2 with sequence
+   parallelism (Adam, and NorMuon: its owner gather and scatter), FP32; CP=2 in BF16 (TE attention,
+   its communication type);
+5. a summary table. Exit code: 0 all that ran passed, 1 a check failed, 2 megatron-core missing; a
+   run with skipped checks says what was not checked in its last line.
 Without a GPU (this CPU machine) the BF16-against-FP32 check runs on the CPU and the GPU sections
 say they are skipped and why.
 
@@ -62,8 +69,14 @@ TOL = {
     "fp32 grad": 1e-3,  # max |g_te - g_local| / max |g_local|, worst parameter tensor
     "bf16 loss": 2e-3,  # relative, BF16 TE vs FP32 local
     "fp8 loss": 1e-2,  # relative, FP8 TE vs BF16 TE
-    "tp loss": 1e-4,  # relative, TP=2 or CP=2 vs 1 GPU, every logged per-pass loss over 12 FP32 training steps (CPU/gloo TP: 1e-7)
+    "fp8 recompute grad": 1e-3,  # max-norm relative, FP8 k=3 gradients with pass recompute on vs off (same FP8 scales)
+    "kernel grad": 3e-2,  # max-norm relative, TE BF16 (flash/fused attention) vs local BF16 at fbt-1b's heads and window
+    "tp loss": 1e-4,  # relative, TP=2 (+SP) vs 1 GPU, every logged per-pass loss over 12 FP32 training steps (CPU/gloo TP: 1e-7)
+    "cp loss": 1e-2,  # relative, CP=2 vs 1 GPU, both BF16 (TE has no FP32 attention under CP)
 }
+# fbt-1b's attention: heads, KV groups, head dim, window and global layers; 6 layers (5 windowed, 1 global)
+GEOMETRY = dict(num_layers=6, hidden_size=1536, ffn_hidden_size=6656, num_attention_heads=16, num_query_groups=8,
+                kv_channels=96, vocab_size=4096, seq_length=4096, sliding_window=2048, full_attention_every=6)
 TP_STEPS = 12
 
 rows = []  # (check, value, tolerance / goal, PASS | FAIL | INFO | SKIP)
@@ -125,7 +138,23 @@ def environment() -> int:
     else:
         print(f"transformer-engine {te_version}")
     print(f"NVIDIA_TF32_OVERRIDE={os.environ['NVIDIA_TF32_OVERRIDE']} (0: cuBLAS never uses TF32 for FP32 GEMMs)")
+    container_imports(te_version, error)
     return 0
+
+
+def container_imports(te_version, error):
+    """The training image's software in this one Python: a CUDA torch, megatron-core, TE's PyTorch
+    modules and this project (what a --container-image job needs; docs/gpu.md)."""
+    check = "container: CUDA torch, megatron-core, Transformer Engine, fbt_megatron import"
+    if DEVICE != "cuda":
+        skip(check, NO_GPU + " (run this inside the training image on a GPU node)")
+        return
+    import megatron.core
+
+    import fbt_megatron  # noqa: F401
+
+    found = f"torch {torch.__version__}, megatron-core {megatron.core.__version__}, TE {te_version or error}"
+    record(check, found[:100], "all import", te_version is not None)
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -274,8 +303,76 @@ def equivalence():
     record("FP8: TE linears run inside fp8_autocast", str(bool(in_fp8) and all(in_fp8)), "True", bool(in_fp8) and all(in_fp8))
     record("FP8 TE vs BF16 TE: per-pass loss, k=1..3", f"{worst_loss:.1e}", f"< {TOL['fp8 loss']:.0e} rel", worst_loss < TOL["fp8 loss"])
     record("FP8 TE vs BF16 TE: gradients, k=1..3", f"{worst_grad:.1e}")
+    fp8_recompute(te8, batch)
     del te8
     free()
+
+
+def fp8_recompute(model, batch):
+    """FP8 k = 3 gradients with ``recompute_passes`` on against off, from the same FP8 scales (TE's
+    extra state restored in between): a recompute outside TE's checkpoint quantizes the recomputed
+    forward with other scales and updates the amax history twice (fbt_megatron.offload.checkpoint)."""
+    import copy
+
+    scales = copy.deepcopy({k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")})
+    model.config.recompute_passes = False
+    _, kept = losses_and_grads(model, batch, 3)
+    model.load_state_dict(scales, strict=False)
+    model.config.recompute_passes = True
+    try:
+        _, recomputed = losses_and_grads(model, batch, 3)
+    finally:
+        model.config.recompute_passes = False
+    d, where = grad_diff(recomputed, kept)
+    record("FP8 k=3: gradients with recompute_passes vs without", f"{d:.1e} ({where})"[:60],
+           f"< {TOL['fp8 recompute grad']:.0e} rel (max-norm)", d < TOL["fp8 recompute grad"])
+
+
+def attention_backend() -> str:
+    """The backend Transformer Engine's DotProductAttention last ran (its module's record), or why unknown."""
+    try:
+        from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+    except ImportError as e:
+        return f"unknown ({e})"
+    chosen = getattr(dpa, "_attention_backends", {})
+    names = [n for n, key in (("FlashAttention", "use_flash_attention"), ("FusedAttention", "use_fused_attention"),
+                              ("UnfusedDotProductAttention", "use_unfused_attention")) if chosen.get(key)]
+    return names[0] if names else "unknown (this TE does not record it; see NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2)"
+
+
+def attention_kernels(seq):
+    """The attention that trains the model: TE in BF16 (FlashAttention or FusedAttention, never the
+    unfused path the FP32 check runs) against the local spec in BF16 on the same weights, k = 2, at
+    fbt-1b's head geometry and window (``GEOMETRY``). The control, TE without the window against the
+    same local run, must differ by more than 10x the tolerance: the comparison can see a wrong window."""
+    from fbt_megatron import platform
+
+    fields = dict(GEOMETRY, seq_length=seq)
+    print(f"\n== attention kernels: TE BF16 vs local BF16, {fields['num_attention_heads']}/{fields['num_query_groups']} heads "
+          f"of {fields['kv_channels']}, window {fields['sliding_window']} (global every {fields['full_attention_every']}), seq {seq}")
+    batch = make_batch(fields["vocab_size"], seq, 1)
+    platform.seed(1234)
+    local = build(False, **fields, **BF16)
+    weights = {k: v for k, v in local.state_dict().items() if not k.endswith("_extra_state")}
+    reference = losses_and_grads(local, batch, 2)[1]
+    del local
+    free()
+    verdicts = {}
+    for label, window in (("TE", fields["sliding_window"]), ("TE without the window", None)):
+        te = build(True, **dict(fields, sliding_window=window), **BF16)
+        copy_weights(weights, te)
+        losses, grads = losses_and_grads(te, batch, 2)
+        verdicts[label] = (*grad_diff(grads, reference), attention_backend())
+        print(f"{label}: {fmt(losses)}; gradients vs local: {verdicts[label][0]:.1e} ({verdicts[label][1]}); {verdicts[label][2]}")
+        del te, grads
+        free()
+    d, where, backend = verdicts["TE"]
+    fused = backend in ("FlashAttention", "FusedAttention")
+    record("attention kernels: TE BF16 vs local BF16 (fbt-1b heads, window)", f"{d:.1e} ({where}); {backend}"[:80],
+           f"< {TOL['kernel grad']:.0e} rel, flash/fused", d < TOL["kernel grad"] and fused)
+    control = verdicts["TE without the window"][0]
+    record("attention kernels control: TE without the window vs local", f"{control:.1e}",
+           f"> {10 * TOL['kernel grad']:.0e} (sees the window)", control > 10 * TOL["kernel grad"])
 
 
 # ---------------------------------------------------------------- 3. fbt-1b performance
@@ -452,10 +549,11 @@ def offloading(seq, steps):
 
 
 # ---------------------------------------------------------------- 4. multi-GPU
-def launch(cmd, log: Path, timeout: int):
+def launch(cmd, log: Path, timeout: int, **extra_env):
     print("$ " + " ".join(shlex.quote(str(x)) for x in cmd), flush=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+               **extra_env)
     with open(log, "w") as f:
         code = subprocess.run([str(x) for x in cmd], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
     if code:
@@ -463,7 +561,14 @@ def launch(cmd, log: Path, timeout: int):
         raise RuntimeError(f"exit code {code}; end of {log}:\n{tail}")
 
 
-MULTI_GPU = {"TP=2": ["--tensor-model-parallel-size", 2], "CP=2": ["--context-parallel-size", 2]}
+SP = ["--tensor-model-parallel-size", 2, "--sequence-parallel", "true"]
+# name: (flags, the 1-GPU reference's flags, tolerance): the paper's layout (TP 2 + SP) with Adam and with
+# NorMuon (its owner gathers and scatters), FP32; CP 2 in BF16 (TE's attention under CP has no FP32)
+MULTI_GPU = {
+    "TP=2+SP": (SP, [], "tp loss"),
+    "TP=2+SP NorMuon": ([*SP, "--optimizer", "normuon"], ["--optimizer", "normuon"], "tp loss"),
+    "CP=2 BF16": (["--context-parallel-size", 2, "--bf16", "true"], ["--bf16", "true"], "cp loss"),
+}
 
 
 def multi_gpu(parent: Path):
@@ -471,44 +576,56 @@ def multi_gpu(parent: Path):
         for name in MULTI_GPU:
             skip(f"{name} vs 1 GPU (entry point, NCCL)", "needs 2 GPUs" if DEVICE == "cuda" else NO_GPU)
         return
-    print(f"\n== TP=2 and CP=2 vs 1 GPU through fbt_megatron.train (recipes/tiny_cpu.yaml, FP32, {TP_STEPS} steps, same seed checkpoint)")
+    print(f"\n== {', '.join(MULTI_GPU)} vs 1 GPU through fbt_megatron.train (recipes/tiny_cpu.yaml, {TP_STEPS} steps, same seed checkpoint)")
     parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=parent))
     print(f"run folders and logs: {workdir}")
-    seed, one = workdir / "seed", workdir / "gpu1"
+    seed = workdir / "seed"
     recipe = ["--recipe", "recipes/tiny_cpu.yaml", "--tensorboard", "false"]
     train = [*recipe, "--load", seed, "--train-iters", TP_STEPS, "--lr-warmup-iters", 2, "--log-interval", 1,
-             "--eval-iters", 0, "--pass-phases", "[{start: 0.0, mixture: {1: 0.4, 2: 0.3, 3: 0.3}}]"]
+             "--eval-iters", 0, "--pass-phases", "[{start: 0.0, mixture: {1: 0.4, 2: 0.3, 3: 0.3}}]",
+             "--override-opt-param-scheduler"]
     entry = [sys.executable, "-m", "fbt_megatron.train"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, "-m", "fbt_megatron.train"]
     launch([*entry, *recipe, "--save", seed, "--create-seed-checkpoint", "true"], workdir / "seed.log", 900)  # prepares the corpus on first use
-    launch([*entry, *train, "--save", one], workdir / "gpu1.log", 600)
 
     from fbt_megatron.metrics import read_metrics
 
-    a = {r["step"]: r for r in read_metrics(one)}
-    for name, flags in MULTI_GPU.items():
-        if name == "CP=2" and not TE:
+    references = {}
+    for name, (flags, reference_flags, tolerance) in MULTI_GPU.items():
+        check = f"{name} vs 1 GPU: per-pass losses, {TP_STEPS} steps"
+        if name.startswith("CP") and not TE:
             skip(f"{name} vs 1 GPU (entry point, NCCL)", "context parallelism " + NO_TE)
             continue
-        check = f"{name} vs 1 GPU: per-pass losses, {len(a)} steps, k in {sorted({r['k'] for r in a.values()})}"
-        folder = workdir / name.replace("=", "")
+        key = " ".join(map(str, reference_flags))
+        folder = workdir / name.replace("=", "").replace("+", "_").replace(" ", "_")
         try:
-            launch([*torchrun, *train, *flags, "--save", folder], folder.with_suffix(".log"), 600)
+            if key not in references:
+                one = workdir / f"gpu1_{len(references)}"
+                launch([*entry, *train, *reference_flags, "--save", one], one.with_suffix(".log"), 600)
+                references[key] = {r["step"]: r for r in read_metrics(one)}
+            launch([*torchrun, *train, *flags, "--save", folder], folder.with_suffix(".log"), 600,
+                   NVTE_DEBUG="1", NVTE_DEBUG_LEVEL="2")  # TE names the attention backend it runs
         except RuntimeError as e:
             print(e)
-            record(check, "run failed (see log)", f"< {TOL['tp loss']:.0e} rel", False)
+            record(check, "run failed (see log)", f"< {TOL[tolerance]:.0e} rel", False)
             continue
-        b = {r["step"]: r for r in read_metrics(folder)}
+        a, b = references[key], {r["step"]: r for r in read_metrics(folder)}
         if sorted(a) != sorted(b) or any(a[s]["k"] != b[s]["k"] for s in a):
-            record(check, "logged steps or k differ", f"< {TOL['tp loss']:.0e} rel", False)
+            record(check, "logged steps or k differ", f"< {TOL[tolerance]:.0e} rel", False)
             continue
         worst = 0.0
         for step in sorted(a):
             diffs = [rel(x, y) for x, y in zip(b[step]["pass_losses"], a[step]["pass_losses"])]
             worst = max([worst, *diffs])
             print(f"step {step:>3} k={a[step]['k']}: 1 GPU {fmt(a[step]['pass_losses'])} | {name} {fmt(b[step]['pass_losses'])} | rel {max(diffs):.1e}")
-        record(check, f"{worst:.1e}", f"< {TOL['tp loss']:.0e} rel", worst < TOL["tp loss"])
+        record(check, f"{worst:.1e}", f"< {TOL[tolerance]:.0e} rel", worst < TOL[tolerance])
+        if name.startswith("CP"):  # the type chosen for windowed layers (banner) and a flash/fused backend (TE's log)
+            log = folder.with_suffix(".log").read_text()
+            comm = "over a2a" in log or "over all_gather" in log
+            fused = "Running with FusedAttention" in log or "Running with FlashAttention" in log
+            record(f"{name}: TE attention backend and CP communication type", f"fused/flash {fused}, a2a/all_gather {comm}",
+                   "both in the log", fused and comm)
 
 
 # ---------------------------------------------------------------- 5. summary
@@ -519,10 +636,10 @@ def summary() -> int:
     print("\n" + line(header) + "\n" + "  ".join("-" * w for w in width))
     for r in rows:
         print(line(r))
+    from fbt_megatron.rehearsal.report import verdict
+
     failed = [r for r in rows if r[3] == "FAIL"]
-    skipped = sum(r[3] == "SKIP" for r in rows)
-    print(f"\n{'FAILED: ' + str(len(failed)) + ' check(s)' if failed else 'all checks passed'}"
-          f"{f' ({skipped} skipped)' if skipped else ''}")
+    print("\n" + verdict(len(failed), [r[0] for r in rows if r[3] == "SKIP"]))
     return 1 if failed else 0
 
 
@@ -544,6 +661,7 @@ def main(argv=None) -> int:
     parser.add_argument("--perf-micro-batch-size", type=int, default=1)
     parser.add_argument("--perf-steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--offload-seq-length", type=int, default=32768, help="sequence of the offloading comparison")
+    parser.add_argument("--kernel-seq-length", type=int, default=4096, help="sequence of the attention kernels' comparison")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs", help="a new gpu_check-* folder here holds the TP runs")
     args = parser.parse_args(argv)
 
@@ -557,6 +675,10 @@ def main(argv=None) -> int:
 
     platform.init_distributed()  # a one-process NCCL (on CPU: gloo) group + megatron parallel state (TP=1) + seeds
     guarded("TE vs local equivalence (FP32/BF16/FP8)", equivalence)
+    if DEVICE != "cuda" or not TE:
+        skip("attention kernels: TE BF16 vs local BF16 at fbt-1b's heads and window", NO_GPU if DEVICE != "cuda" else NO_TE)
+    else:
+        guarded("attention kernels (TE BF16 vs local BF16)", attention_kernels, args.kernel_seq_length)
     if args.skip_perf:
         record("fbt-1b performance", "skipped (--skip-perf)", "-", "SKIP")
     elif DEVICE != "cuda":
@@ -572,7 +694,7 @@ def main(argv=None) -> int:
     if args.skip_multi_gpu:
         record("multi-GPU", "skipped (--skip-multi-gpu)", "-", "SKIP")
     else:
-        guarded("TP=2 vs 1 GPU (entry point, NCCL)", multi_gpu, args.workdir.resolve())
+        guarded("multi-GPU vs 1 GPU (entry point, NCCL)", multi_gpu, args.workdir.resolve())
     code = summary()
     torch.distributed.destroy_process_group()
     return code

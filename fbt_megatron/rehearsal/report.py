@@ -16,6 +16,15 @@ MEMORY_TOLERANCE = 0.15  # the planner's estimate (with a CPU process's terms) a
 REPORT = "rehearsal.json"
 
 
+def verdict(failed: int, skipped: List[str]) -> str:
+    """A report's last line: what failed, and what was not checked — a report with a skipped check
+    or stage never ends in a bare "all checks passed" (``tools/gpu_check.py`` ends with it too)."""
+    not_checked = f"{len(skipped)} not checked (skipped: {'; '.join(skipped)})" if skipped else ""
+    if failed:
+        return f"FAILED: {failed} check(s)" + (f"; {not_checked}" if skipped else "")
+    return f"every check that ran passed; {not_checked}" if skipped else "all checks passed"
+
+
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
 
@@ -155,8 +164,8 @@ class Report:
         if self.failure:
             out += ["", f"FAILED: {self.failure}"]
         else:
-            failed = sum(c["result"] == "FAIL" for c in self.checks)
-            out += ["", f"FAILED: {failed} check(s)" if failed else "all checks passed"]
+            skipped = [s["stage"] for s in self.stages if s["log"].startswith("skipped:")]
+            out += ["", verdict(sum(c["result"] == "FAIL" for c in self.checks), skipped)]
         out.append(f"report: {self.folder / REPORT}")
         return "\n".join(out)
 
