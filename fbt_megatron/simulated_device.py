@@ -64,8 +64,11 @@ class DeviceTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch.Tensor.tolist, torch.Tensor.numpy):  # a copy to the host, as on CUDA (.cpu().tolist())
+        if func is torch.Tensor.tolist:  # a copy to the host, as on CUDA
             return func(args[0]._host, *args[1:], **kwargs)
+        if func is torch.Tensor.numpy:  # CUDA's refusal
+            raise TypeError(f"can't convert {DEVICE} device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
+                            "to host memory first.")
         if func.__name__ == "__set__" and getattr(func, "__self__", None) is _DATA:  # param.data = other: this tensor computes on other's host tensor from now on
             tensor, value = args
             if not isinstance(value, DeviceTensor):

@@ -44,7 +44,7 @@ def test_the_simulated_device_refuses_what_nccl_and_cuda_refuse(tmp_path, monkey
     monkeypatch.setenv(SIMULATED, "1")
     code, text = launch(tmp_path / "device.log", DISTRIBUTED / "simulated_device_worker.py", nproc=2)
     verdicts = [line for line in text.splitlines() if " check " in line]
-    assert code == 0 and len(verdicts) == 2 * 13, text[-3000:]
+    assert code == 0 and len(verdicts) == 2 * 14, text[-3000:]
     assert all(line.endswith(": ok") for line in verdicts), "\n".join(verdicts)
 
 

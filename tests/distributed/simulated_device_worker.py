@@ -36,6 +36,11 @@ def main():
     gloo = parallel_state.get_data_parallel_group_gloo()
     checks["device tensor on a gloo group"] = refused(
         lambda: dist.all_reduce(torch.ones(2, device=device), group=gloo), "host (gloo) process group")
+    try:
+        torch.ones(2, device=device).numpy()
+        checks["numpy of a device tensor (as CUDA)"] = "FAILED: accepted"
+    except TypeError as e:
+        checks["numpy of a device tensor (as CUDA)"] = "ok" if "Use Tensor.cpu()" in str(e) else f"FAILED: {e}"
     checks["host tensor beside a device tensor in a kernel"] = refused(
         lambda: torch.ones(4, device=device) + torch.ones(4), "Expected all tensors to be on the same device")
 
