@@ -56,7 +56,7 @@ MCORE_LATEST_TESTS := tests/test_compat.py tests/test_wide_layouts.py::test_grad
 	tests/test_convert.py::test_export_loads_offline_and_computes_megatrons_logits \
 	tests/test_convert.py::test_export_import_export_is_bit_exact
 
-$(VENV312)/.installed: requirements-mcore-latest.txt pyproject.toml
+$(VENV312)/.installed: requirements-mcore-latest.txt requirements-gpu.txt pyproject.toml
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/pip install -q --upgrade pip && $(VENV312)/bin/pip install -q -r requirements-mcore-latest.txt -e .
 	touch $@
@@ -65,13 +65,16 @@ $(VENV312)/.installed: requirements-mcore-latest.txt pyproject.toml
 test-mcore-latest: $(VENV312)/.installed
 	$(VENV312)/bin/python -m pytest -q $(MCORE_LATEST_TESTS)
 
-# ---- GPU nodes without internet (docs/gpu.md): the wheels the GPU path needs for Python 3.12 on x86-64,
-# except what an NGC PyTorch container has (torch, Transformer Engine, Apex). Downloads from PyPI.
-# wheelhouse-check installs it offline into a fresh Python 3.12 venv (torch a stand-in).
+# ---- The project's GPU image (packaging/container/Dockerfile, docs/gpu.md): the wheels it adds to NGC
+# PyTorch (requirements-gpu.txt) for Python 3.12 on x86-64, resolved against the image's pip constraints
+# (NGC_CONSTRAINT: its /etc/pip/constraint.txt), never its torch, Transformer Engine, Apex, triton or
+# nvidia-*. Downloads from PyPI. wheelhouse-check installs it offline into fresh Python 3.12 venvs:
+# alone (torch a stand-in at the image's version), and on stand-ins of the image under NGC_CONSTRAINT.
 WHEELHOUSE ?= wheelhouse
+NGC_CONSTRAINT ?= packaging/container/ngc-pytorch-26.06-constraint.txt
 .PHONY: wheelhouse wheelhouse-check
 wheelhouse:
-	$(PY) tools/wheelhouse.py --output $(WHEELHOUSE)
+	$(PY) tools/wheelhouse.py --output $(WHEELHOUSE) --constraint $(NGC_CONSTRAINT)
 
 wheelhouse-check:
-	$(PY) tools/wheelhouse.py --output $(WHEELHOUSE) --check
+	$(PY) tools/wheelhouse.py --output $(WHEELHOUSE) --constraint $(NGC_CONSTRAINT) --check

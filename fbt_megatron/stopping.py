@@ -18,7 +18,8 @@ process: after step i).
 Every stop (and the end of a run) is recorded in ``<save>/exit_status.json`` (``write_status``):
 ``{"reason": "finished" | "exit_interval" | "signal" | "duration" | "bad_steps" | "hang", "step": N,
 "train_iters": T, "checkpoint": "iter_000000N" or null, "signal": "SIGTERM" (signal stops),
-"spikes": S, "rewinds": R (when there were: ``resilience.spikes``)}``,
+"spikes": S, "rewinds": R (when there were: ``resilience.spikes``), "stuck_ranks": [R, ...] (a hang:
+the ranks the others wait for, ``resilience.watchdog``)}``,
 for job scripts (Slurm) deciding whether to resubmit.
 
 Every delivery counts, whatever the main thread is doing (a long kernel, a collective waiting for
@@ -31,9 +32,12 @@ Under torchrun the training processes are in sessions of their own: a terminal's
 only torchrun, which forwards it, gives the workers 30 s (then kills them) and, after their clean
 stop, ends with its own ``SignalException`` traceback and exit 1; on a second Ctrl-C it sends them
 SIGTERM (they abort) and ends the same way. ``torchrun()`` (``python -m fbt_megatron.torchrun``,
-torchrun's own command line) forwards TERM and INT to the workers instead and lets torchrun wait for
-them, however long the save takes: a clean stop exits 0 with the workers' line last, a second
-Ctrl-C aborts them at once (exit 130), and a failed worker ends in one line naming it.
+torchrun's own command line; on Slurm ``python -m fbt_megatron.slurm torchrun``) forwards TERM and
+INT to the workers instead and lets torchrun wait for them, however long the save takes (on Slurm
+at most the time left before the job's time limit, ``--stop-timeout``): a clean stop exits 0 with
+the workers' line last, a second Ctrl-C aborts them at once (exit 130), and a failed worker ends in
+one line naming it. That needs torchrun's ``--signals-to-handle`` (pytorch PR #160690, August 2025);
+an older torchrun handles TERM and INT itself, as plain torchrun does, and says so when it starts.
 """
 
 from __future__ import annotations
@@ -170,19 +174,26 @@ def stop_line(cause: str, step: int, save: Optional[str], checkpoint: Optional[P
 
 
 def write_status(save: Optional[str], reason: str, step: int, train_iters: int, checkpoint: Optional[Path],
-                 signal_name: Optional[str] = None, counts: Optional[dict] = None) -> None:
-    """Record why the run ended in ``<save>/exit_status.json`` (atomically; rank 0 only), with the
-    non-zero ``counts`` (the loss spikes and rewinds: ``resilience.spikes``)."""
-    if save is None or (dist.is_initialized() and dist.get_rank() != 0):
+                 signal_name: Optional[str] = None, counts: Optional[dict] = None,
+                 stuck_ranks: Optional[List[int]] = None) -> None:
+    """Record why the run ended in ``<save>/exit_status.json`` (atomically), with the non-zero
+    ``counts`` (the loss spikes and rewinds: ``resilience.spikes``). Rank 0 writes it; a hang's
+    (``stuck_ranks``: the ranks the others wait for, ``resilience.watchdog``) every rank that
+    diagnosed it writes, the same content: rank 0 may be the stuck one, and the first rank to exit
+    may have the others killed."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if save is None or (rank != 0 and stuck_ranks is None):
         return
     status = {"reason": reason, "step": step, "train_iters": train_iters,
               "checkpoint": checkpoint.name if checkpoint is not None else None}
     if signal_name:
         status["signal"] = signal_name
     status.update({name: n for name, n in (counts or {}).items() if n})
+    if stuck_ranks is not None:
+        status["stuck_ranks"] = stuck_ranks
     path = Path(save) / STATUS
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(STATUS + ".tmp")
+    tmp = path.with_name(f"{STATUS}.{rank}.tmp")  # one per writer: ranks may write at once
     tmp.write_text(json.dumps(status) + "\n")
     os.replace(tmp, path)
 
@@ -207,29 +218,77 @@ def failed_worker(e) -> int:
     return code
 
 
-def torchrun(argv: List[str]) -> int:
+HANDLED_BY_TORCHRUN = "SIGHUP,SIGQUIT"  # torchrun's own handling (a SignalException); TERM and INT: ``torchrun()``'s
+
+
+def own_signal_options(parser) -> List[str]:
+    """torchrun's options that leave SIGTERM and SIGINT to ``torchrun()``: ``--signals-to-handle``
+    where torchrun's ``parser`` knows it (pytorch PR #160690, August 2025), else none (an older
+    torchrun refuses the option; its ``PContext.start`` installs its handler for TERM, INT, HUP and
+    QUIT whatever the environment says, and ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is overwritten by a
+    newer torchrun from the option: the option is the one way)."""
+    return ["--signals-to-handle", HANDLED_BY_TORCHRUN] if "--signals-to-handle" in parser._option_string_actions else []
+
+
+def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
     """torchrun (``argv``: its command line) with the stop of one process (module docstring):
-    SIGTERM and SIGINT go to every worker's process group, and torchrun waits for the workers."""
+    SIGTERM and SIGINT go to every worker's process group, and torchrun waits for the workers —
+    with ``stop_timeout``, at most that many seconds after the first signal; then they are killed
+    (SIGKILL) and this ends in one line, exit code 128 + 9. A torchrun without
+    ``--signals-to-handle`` (``own_signal_options``) handles TERM and INT itself: it gives the
+    workers 30 s and this ends in one line, 128 + the signal."""
     import psutil
     from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    options = own_signal_options(run.get_args_parser())
+    if not options:
+        print(f"torchrun: torch {torch.__version__}'s torchrun has no --signals-to-handle: on SIGTERM or SIGINT it gives "
+              "the workers 30 s to stop before it kills them (a newer torch waits for them)", file=sys.stderr, flush=True)
+    stopping: dict = {}  # the first signal forwarded, the timer that ends the wait for the workers, "killed" when it did
+
+    def workers() -> list:
+        return psutil.Process().children()
+
     def forward(signum, frame):
-        workers = psutil.Process().children()
-        if not workers:  # not started yet: nothing to stop cleanly
+        started = workers()
+        if not started:  # not started yet: nothing to stop cleanly
             raise SystemExit(128 + signum)
-        for worker in workers:
+        for worker in started:
             try:
                 os.killpg(worker.pid, signum)  # torchrun starts each in a session of its own
+            except ProcessLookupError:
+                pass
+        if stop_timeout is not None and "timer" not in stopping:  # the first signal: the wait starts
+            timer = threading.Timer(stop_timeout, kill)
+            timer.daemon = True
+            stopping.update(signal=signal.Signals(signum).name, timer=timer)
+            timer.start()
+
+    def kill():
+        stopping["killed"] = True
+        for worker in workers():
+            try:
+                os.killpg(worker.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
     previous = {s: signal.signal(s, forward) for s in SIGNALS}
     try:
-        run.main(["--signals-to-handle", "SIGHUP,SIGQUIT", *argv])  # torchrun's own handling: the others
+        run.main([*options, *argv])
+    except SignalException as e:  # HUP or QUIT; TERM and INT too from an older torchrun
+        print(f"torchrun: {e.sigval.name}: the workers were sent {e.sigval.name} and have ended", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
+        if stopping.get("killed"):
+            print(f"torchrun: the workers had not stopped {stop_timeout:g} s after {stopping['signal']}: killed them "
+                  "(SIGKILL); the newest complete checkpoint is the one to resume from", file=sys.stderr, flush=True)
+            return 128 + signal.SIGKILL
         return failed_worker(e)
     finally:
+        if "timer" in stopping:
+            stopping["timer"].cancel()
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0

@@ -12,6 +12,9 @@ stop early, steps that go bad, processes that die.
 * Under torchrun (2 processes, ``python -m fbt_megatron.torchrun``): a signal only one rank got,
   a double Ctrl-C, kill -9 of one rank; no process of the run is left, and the last checkpoint
   resumes exactly.
+* The launcher's wait (``stopping.torchrun``, a Slurm job's torchrun; one bash worker): a stop
+  longer than torchrun's own kill timeout completes, one that never ends is killed after the
+  launcher's timeout, and a torchrun without ``--signals-to-handle`` keeps its own handling.
 """
 
 import json
@@ -431,6 +434,99 @@ def test_under_torchrun_a_double_ctrl_c_and_kill_9_leave_nothing_and_resume_exac
     keys = ["k", "loss", "pass_losses", "grad_norm", "lr"]
     expected, got = read_metrics(tmp / "uninterrupted"), read_metrics(tmp / "run")
     assert len(got) == TORCHRUN_ITERS and [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]
+
+
+# ---------------------------------------------------------------- the launcher's wait (one bash worker)
+def _launch(tmp: Path, name: str, worker: str, stop_timeout=None, older: bool = False, hold: float = 0.0, **env) -> dict:
+    """``stopping.torchrun`` (tests/launch_torchrun.py) with one worker, ``bash -c WORKER`` (torchrun
+    ``--no-python``), in the folder ``tmp/name``: SIGTERM to the launcher alone (as Slurm's cgroup
+    tracking delivers it) once the worker has written its pid to ``ready``; ``hold`` seconds later
+    whether the worker is alive, then the file ``go`` (the worker may finish its stop). Returns the
+    exit code, the output and that answer."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    folder = tmp / name
+    folder.mkdir()
+    command = [sys.executable, str(ROOT / "tests" / "launch_torchrun.py"), "none" if stop_timeout is None else str(stop_timeout),
+               "older" if older else "current", "--standalone", "--nproc-per-node=1", "--no-python", "bash", "-c", worker]
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    with open(folder / "out", "w") as out:
+        launcher = subprocess.Popen(command, cwd=folder, env={**environment, **env}, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not (folder / "ready").exists():
+                assert launcher.poll() is None and time.monotonic() < deadline, (folder / "out").read_text()
+                time.sleep(0.05)
+            worker_process = psutil.Process(int((folder / "ready").read_text()))
+            launcher.send_signal(signal.SIGTERM)
+            time.sleep(hold)
+            try:
+                alive = worker_process.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            (folder / "go").touch()
+            code = launcher.wait(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+            if (folder / "ready").exists():  # the worker leads a session of its own: it outlives a killed launcher
+                try:
+                    os.killpg(int((folder / "ready").read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return {"code": code, "log": (folder / "out").read_text(), "alive": alive}
+
+
+READY = "echo $BASHPID > ready.tmp && mv ready.tmp ready"  # the worker's pid, written whole (torchrun reads $$ as a macro's $)
+RUN = "while :; do sleep 0.05; done"
+
+
+@pytest.mark.slow
+def test_the_launcher_waits_for_the_workers_stop_as_long_as_it_is_told(tmp_path):
+    """``stopping.torchrun`` (what a Slurm job's torchrun launch runs) with one worker whose stop
+    lasts until the test says so. Its torchrun's own kill timeout is 1 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+    which this torch reads; 30 s by default): 3 s after SIGTERM the worker is alive, and once it has
+    finished the launcher exits 0 with the worker's line last. A worker that ignores SIGTERM is
+    killed after the launcher's ``stop_timeout`` (exit 128 + 9, one line). A torchrun without
+    ``--signals-to-handle`` is not given the option, handles SIGTERM itself and ends in one line,
+    128 + 15, after saying so when it starts."""
+    import os
+
+    from torch.distributed import run
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from fbt_megatron.stopping import own_signal_options
+    from launch_torchrun import without_signals_option
+
+    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
+    try:
+        assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 1  # plain torchrun's kill: 1 s
+    finally:
+        del os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
+    assert own_signal_options(run.get_args_parser()) == ["--signals-to-handle", "SIGHUP,SIGQUIT"]
+    assert own_signal_options(without_signals_option(run.get_args_parser())) == []
+
+    slow = _launch(tmp_path, "slow", f"trap 'while [ ! -e go ]; do sleep 0.05; done; echo saved; exit 0' TERM; {READY}; {RUN}",
+                   stop_timeout=60, hold=3.0, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
+    assert slow["alive"] and slow["code"] == 0 and slow["log"].strip().splitlines()[-1] == "saved", slow["log"][-3000:]
+    assert "Traceback" not in slow["log"] and "SIGKILL" not in slow["log"]
+
+    stuck = _launch(tmp_path, "stuck", f"trap '' TERM; {READY}; {RUN}", stop_timeout=1)
+    assert stuck["code"] == 128 + signal.SIGKILL, stuck["log"][-3000:]
+    assert stuck["log"].strip().splitlines()[-1] == ("torchrun: the workers had not stopped 1 s after SIGTERM: killed them "
+                                                     "(SIGKILL); the newest complete checkpoint is the one to resume from")
+
+    older = _launch(tmp_path, "older", f"{READY}; {RUN}", older=True)
+    lines = older["log"].strip().splitlines()
+    assert older["code"] == 128 + signal.SIGTERM and "Traceback" not in older["log"], older["log"][-3000:]
+    assert lines[0] == (f"torchrun: torch {torch.__version__}'s torchrun has no --signals-to-handle: on SIGTERM or SIGINT it "
+                        "gives the workers 30 s to stop before it kills them (a newer torch waits for them)"), lines
+    assert lines[-1] == "torchrun: SIGTERM: the workers were sent SIGTERM and have ended", lines
 
 
 @pytest.mark.slow

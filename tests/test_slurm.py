@@ -1,8 +1,9 @@
 """Slurm jobs (``python -m fbt_megatron.slurm``) on a real single-node Slurm on loopback
 (tests/slurm_cluster.py): the rendered scripts, a job interrupted twice — ``scontrol requeue`` and
-the time-limit signal — that resumes and logs the losses of an uninterrupted run bit for bit, a job
-whose rank crashes (``--inject-fault``) that requeues itself and resumes bit for bit while bad input
-is not retried, and a chained pretrain → long-context → SFT → export + evaluation.
+the time-limit signal, whose save outlasts torchrun's own kill timeout — that resumes and logs the
+losses of an uninterrupted run bit for bit, a job whose rank crashes (``--inject-fault``) that
+requeues itself and resumes bit for bit while bad input is not retried, and a chained pretrain →
+long-context → SFT → export + evaluation.
 
 Without the Slurm binaries (``apt-get install slurmctld slurmd slurm-client munge``) these tests
 skip on a developer machine; in CI (``FBT_REQUIRE_SLURM=1``, set by .ci/run) they fail instead.
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fbt_megatron import checkpointing
 from fbt_megatron.metrics import read_metrics
 from fbt_megatron.plan.planner import batch_fit
 from fbt_megatron.recipe import load_recipe
@@ -85,10 +87,13 @@ def wait_until(condition, what: str, timeout: float = 300):
 
 
 PAPER_CHAIN = ["fbt_1b_100b", "longctx_32k", "sft"]  # the README's chain
-IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
+IMAGE = "/shared/images/fbt-megatron+26.06.sqsh"  # the project's image (docs/gpu.md#the-container)
+STOCK = "nvcr.io/nvidia/pytorch:26.06-py3"  # NVIDIA's, as it ships
 BAD = {  # the one line a mistake gets: (the line contains, the command after "submit")
     "--recipe missing.yaml": ["--recipe", "missing.yaml", "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00"],
     "--nodes 0": ["--recipe", str(TINY), "--nodes", "0", "--gpus-per-node", "0", "--time", "01:00:00"],
+    "--signal-margin 20: must be more than 20 s": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time",
+                                                  "01:00:00", "--signal-margin", "20"],
     "--time 90": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "90"],
     "unknown flag --bogus": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--", "--bogus", "1"],
     "--chain sets each stage's": ["--chain", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--", "--save", "x"],
@@ -150,6 +155,10 @@ def dry_runs(tmp_path_factory):
         "serve": ["serve", str(data["export"]), "--time", "08:00:00", "--partition", "gpu", "--container-image", IMAGE,
                   "--port", "8100", "--log-dir", str(tmp / "logs"), "--dry-run", "--", "--max-model-len", "512"],
         "serve placeholder": ["serve", "/path/to/export", "--time", "08:00:00", "--dry-run"],
+        "stock image": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                        "--container-image", STOCK, "--dry-run"],
+        "serve stock image": ["serve", str(data["export"]), "--time", "01:00:00", "--container-image", "nvcr.io#nvidia/pytorch:26.06-py3",
+                              "--dry-run"],
         "serve cpu": ["serve", str(data["export"]), "--time", "01:00:00", "--gpus", "0", "--container-image", IMAGE,
                       "--log-dir", str(tmp / "logs"), "--dry-run"],
         "evaluate": ["evaluate", str(data["export"]), "--output", str(tmp / "eval" / "x.md"), "--time", "01:00:00",
@@ -182,16 +191,22 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
                      "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4", "#SBATCH --qos=high",
                      f"CONTAINER=(--container-image={IMAGE} --container-mounts={ROOT}:{ROOT},/data:/data", f"SAVE={save}",
                      "MAX_RESTARTS=3", f"ATTEMPTS=(python3 {ROOT}/fbt_megatron/resilience/attempts.py)", '"${ATTEMPTS[@]}" end',
-                     "--kill-on-bad-exit=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}",
+                     "--kill-on-bad-exit=1", "# (TP 1, CP 1: CUDA_DEVICE_MAX_CONNECTIONS not set)",
+                     "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}", "export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}",
                      "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}$" "{PYTHONPATH:+:$PYTHONPATH}",
-                     'srun --cpus-per-task="$CPUS_PER_TASK"', 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK"']:
+                     'srun --cpus-per-task="$CPUS_PER_TASK"', 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK"',
+                     f'srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" python {ROOT}/fbt_megatron/slurm/image_check.py '
+                     f"--image {IMAGE} --gpu 2>&1 | grep -v", "[[ ${PIPESTATUS[0]} != 2 ]] || exit 2"]:
             assert line in script, line
+        assert script.index("image_check.py") < script.index('"${ATTEMPTS[@]}" start')  # the first step, before any attempt
         assert script.index("#SBATCH --qos=high") < script.index("set -uo pipefail")  # extra lines among the directives
         assert script.index("NCCL_IB_TIMEOUT") < script.index("NCCL_SOCKET_IFNAME=ib0")  # --env after the defaults: it wins
     assert "#SBATCH --exclusive" in torchrun and "--cpus-per-task=" not in torchrun.split("set -uo")[0]
     assert "CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-$((SLURM_CPUS_ON_NODE / 1))}" in torchrun  # the node's CPUs to torchrun
     assert "#SBATCH --cpus-per-task=12" in tasks and "#SBATCH --exclusive" not in tasks
     assert "#SBATCH --ntasks-per-node=1" in torchrun and "LAUNCH=torchrun" in torchrun and "PROCS_PER_NODE=4" in torchrun
+    assert "STOP_TIMEOUT=160" in torchrun and '-m fbt_megatron.slurm torchrun \\\n        --stop-timeout "$STOP_TIMEOUT" ' in torchrun
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS" not in torchrun + tasks  # TP 1, CP 1
     assert f"TRAIN_ARGS=(--recipe {TINY} --train-iters 7 --micro-batch-size 2 --save {save} --load {save})" in torchrun
     assert "TRAIN_ITERS=7" in torchrun and "TRAIN_ITERS=800" in tasks  # the recipe's, or the flag's
     assert "#SBATCH --ntasks-per-node=4" in tasks and "LAUNCH=tasks" in tasks
@@ -199,6 +214,13 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
     for expected in BAD:
         code, output = cases[expected]
         assert code == 2 and output.count("\n") == 1 and output.startswith("error: ") and expected in output, output
+    code, output = cases["stock image"]  # NVIDIA's image as it ships: no megatron-core; refused before it queues
+    assert code == 2 and output.splitlines() == [
+        f"error: --container-image {STOCK} is NVIDIA's PyTorch image as it ships, without megatron-core, transformers or "
+        "this project: give the project's image (packaging/container/Dockerfile: NGC PyTorch and the wheelhouse, "
+        "docs/gpu.md#the-container), built from it", "error: nothing submitted: 1 problem (the lines above)"], output
+    code, output = cases["serve stock image"]  # enroot's spelling of the registry; the fix for serving is another image
+    assert code == 2 and "is NVIDIA's PyTorch image as it ships" in output and "give an image with vLLM and this package" in output
     code, output = cases["missing data"]
     missing = tmp / "missing"
     assert code == 2 and output.splitlines() == [
@@ -229,8 +251,9 @@ def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_th
     ]
     if torch.version.cuda is None:  # this machine's torch, which GPU nodes would run without a container
         expected.append(f"error: GPU jobs without --container-image run {sys.executable}, whose torch {torch.__version__} is a "
-                        "CPU-only build: give --container-image IMAGE (e.g. nvcr.io/nvidia/pytorch:25.01-py3), or submit "
-                        "from an environment with a CUDA torch (requirements-gpu.txt)")
+                        "CPU-only build: give --container-image with the project's image (packaging/container/Dockerfile: "
+                        "NGC PyTorch and the wheelhouse, docs/gpu.md#the-container), or submit from a Python with a CUDA "
+                        "torch and requirements-gpu.txt's packages")
     expected.append(f"error: nothing submitted: {len(expected)} problems (the lines above); the flags of one stage of a chain: "
                     "--stage-args STAGE='FLAGS'")
     assert code == 2 and output.splitlines() == expected, output
@@ -247,6 +270,12 @@ def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_th
         assert list(jobs) == [*PAPER_CHAIN, "sft-eval"]
         plans[case] = [line for line in output.splitlines() if ": plan: " in line]
         assert [line.split(":")[0] for line in plans[case]] == PAPER_CHAIN
+        checks = {name: re.search(r"image_check.py (.*) 2>&1", jobs[name])[1] for name in PAPER_CHAIN}
+        assert checks == {"fbt_1b_100b": f"--image {IMAGE} --gpu", "longctx_32k": f"--image {IMAGE} --gpu --context-parallel",
+                          "sft": f"--image {IMAGE} --gpu"}, checks  # context parallelism: Transformer Engine attention
+        connections = {name: re.search(r"^export CUDA_DEVICE_MAX_CONNECTIONS=(.*)$", jobs[name], flags=re.M)[1] for name in PAPER_CHAIN}
+        assert connections == {name: f"${{CUDA_DEVICE_MAX_CONNECTIONS:-1}}  # TP 2, CP {cp}" for name, cp in
+                               zip(PAPER_CHAIN, (1, 2, 1))}, connections  # tensor (and context) parallelism: one queue
         iters = [re.search(r"^TRAIN_ITERS=(\d+)$", jobs[name], flags=re.M)[1] for name in PAPER_CHAIN]
         assert iters == ["381471", "22889", "22889"], iters
         train_args = {name: re.search(r"^TRAIN_ARGS=\((.*)\)$", jobs[name], flags=re.M)[1] for name in PAPER_CHAIN}
@@ -301,13 +330,40 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
     assert lines[-1].startswith(f"error: nothing submitted: {len(lines) - 1} problem")
 
 
+def training_worker(job: int, rank: int = 0):
+    """The training process of ``rank`` in a torchrun job (its forked helpers share its environment)."""
+    import psutil
+
+    mine = {}
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if env.get("TORCHELASTIC_RUN_ID") == str(job) and env.get("RANK") == str(rank):
+            mine[p.pid] = p
+    [worker] = [p for p in mine.values() if p.ppid() not in mine]
+    return worker
+
+
 @pytest.mark.slow
 def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(slurm, small_corpus, tmp_path):
     """Submitted through the submit tool (torchrun launch, one CPU process): ``scontrol requeue``
     mid-run (SIGTERM from Slurm), then USR1 to the batch shell as ``--signal=B:USR1@S`` sends it S
     seconds before the time limit (sent with scancel: Slurm's own timer checks every 30 s, its
     minimum --time is a minute). Each time the training checkpoints at the next step boundary, the
-    job comes back (Slurm requeues it; the script requeues itself after the signal) and resumes."""
+    job comes back (Slurm requeues it; the script requeues itself after the signal) and resumes.
+    The time-limit stop outlasts torchrun's own kill timeout (1 s here: TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+    which this torch reads; 30 s by default, a full-size save takes longer): the worker is held
+    stopped (SIGSTOP) for 3 s after it got SIGTERM, is alive then, and saves a complete checkpoint;
+    the attempt ends with exit code 0."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
+    try:
+        assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 1  # plain torchrun's kill: 1 s
+    finally:
+        del os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
     began = time.time()
     steps = 48  # the signals reach the job within its first dozen steps, whatever the machine's load
     flags = [*SMALL, "--train-iters", steps, "--eval-interval", 12]
@@ -319,6 +375,7 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
     data = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null", "--threads", "1"]
     [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0",
                                                "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"),
+                                               "--env", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1",
                                                "--log-dir", str(tmp_path / "logs"), "--", *map(str, flags), *data]])
     assert code == 0, output
     [job] = job_ids(output)
@@ -333,6 +390,13 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
     wait_until(lambda: last_step(run) >= first_resume + 3, f"job {job} did not resume: {log.read_text()}")
     signalled_at = last_step(run)
     slurm.signal_batch(job, "USR1")
+    wait_until(lambda: log.read_text().count("SIGTERM received") == 2, f"job {job} got no SIGTERM: {log.read_text()}")
+    worker = training_worker(job)
+    worker.suspend()  # a save that takes 3 s, 3 times torchrun's kill timeout
+    time.sleep(3)
+    held = worker.status()
+    worker.resume()
+    assert held == "stopped", held  # not killed
     slurm.wait_for(job, {"COMPLETED"}, restarts=2)
     uninterrupted.join()
     text = log.read_text()
@@ -348,6 +412,10 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
     assert [f"restart {i}" in text for i in range(3)] == [True] * 3
     iterations = sorted(int(p.name[5:]) for p in run.glob("iter_*"))
     assert iterations == [resumes[1], resumes[2], steps], iterations
+    assert (run / f"iter_{resumes[2]:07d}" / checkpointing.MANIFEST).is_file()  # the held save completed
+    assert [(s["ended"], s["next"]) for s in records] == [("stopped by Slurm", "Slurm's"), ("stopped", "requeued"),
+                                                         ("finished", "done")], records
+    assert records[1]["exit_code"] == 0, records  # the launcher's clean stop (plain torchrun: 143 after killing it)
 
     [(ref_code, ref_text)] = reference
     assert ref_code == 0, ref_text[-3000:]
@@ -358,8 +426,8 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
     for e, g in zip(expected, got):
         assert {k: e.get(k) for k in keys} == {k: g.get(k) for k in keys}, (e, g)  # bitwise: == on floats
     print(f"\nslurm job {job} ({steps} steps of tiny_cpu, torchrun launch): scontrol requeue at step {requeued_at} → "
-          f"restart 1 resumed from step {resumes[1]}; USR1 (the time-limit signal) at step {signalled_at} → restart 2 "
-          f"resumed from step {resumes[2]}; finished; losses of all {steps} steps equal the uninterrupted run's bit for bit "
+          f"restart 1 resumed from step {resumes[1]}; USR1 (the time-limit signal) at step {signalled_at}, its save held "
+          f"3 s against torchrun's 1 s kill timeout → restart 2 resumed from step {resumes[2]}; finished; losses of all {steps} steps equal the uninterrupted run's bit for bit "
           f"(last {got[-1]['loss']!r}); {time.time() - began:.0f} s")
 
 
@@ -406,6 +474,7 @@ def test_a_crashed_rank_is_requeued_and_resumes_bit_for_bit_and_bad_input_is_not
             "partition has no node to spare ===") in text, text[-3000:]
     assert "--inject-fault crash@5:1: rank 1 dies (SIGKILL) at the start of step 5" in text
     assert text.count("--inject-fault crash@5:1") == 1 and "=== finished: step 8 of 8" in text, text[-3000:]
+    assert text.count(f"=== environment: the job's Python {sys.executable}: python ") == 2, text[-3000:]  # each start's first step
     assert reference == [0], (tmp_path / "uninterrupted.log").read_text()[-3000:]
     keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "valid_loss_fused0", "valid_loss_fused2"]
     expected, got = read_metrics(tmp_path / "uninterrupted"), read_metrics(run)
@@ -432,6 +501,39 @@ def test_a_crashed_rank_is_requeued_and_resumes_bit_for_bit_and_bad_input_is_not
     print(f"\nslurm job {job} (2 processes, crash@5:1): attempts {[(a['start_step'], a['end_step'], a['ended']) for a in attempts]}; "
           f"losses of all 8 steps equal the uninterrupted run's bit for bit (last {got[-1]['loss']!r}); {crashed:.0f} s. "
           f"Job {bad} (recipe edited after submitting): exit 2, not retried; {time.time() - began:.0f} s in all")
+
+
+@pytest.mark.slow
+def test_a_python_that_cannot_run_the_job_ends_it_at_its_first_step_and_it_is_not_retried(slurm, tmp_path):
+    """The environment check (``fbt_megatron/slurm/image_check.py``), a training job's first step, in
+    the job's own Python (no pyxis here: with ``--container-image`` the same step runs in the image):
+    context parallelism needs Transformer Engine, which this machine's Python lacks. The job ends at
+    that step, exit code 2, with the check's one ``error:`` line and nothing else in its log (srun's
+    line for the failed task is left out), before its banner and any attempt (no jobs.jsonl), and it
+    is not requeued (``--max-restarts 3`` notwithstanding). A Python that passes logs one environment
+    line per start and trains (the crash test's job)."""
+    began = time.time()
+    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0",
+                                               "--procs-per-node", "2", "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"),
+                                               "--log-dir", str(tmp_path / "logs"), "--max-restarts", "3", "--",
+                                               "--context-parallel-size", "2"]])
+    assert code == 0, output  # submitted: this machine's Python is the nodes' only when the job runs
+    [job] = job_ids(output)
+    with pytest.raises(AssertionError, match="ended FAILED"):
+        slurm.wait_for(job, {"COMPLETED"})
+    info = slurm.job(job)
+    log = (tmp_path / "logs" / f"tiny_cpu-{job}.out").read_text()
+    assert log.splitlines() == [
+        f"error: the job's Python {sys.executable} cannot run this job: import transformer_engine.pytorch failed "
+        "(ModuleNotFoundError: No module named 'transformer_engine'), needed by context parallelism: give --container-image "
+        "with the project's image (packaging/container/Dockerfile, docs/gpu.md#the-container), or submit from a Python that "
+        "has them"], log
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), info
+    assert not (tmp_path / "runs" / "tiny_cpu" / "jobs.jsonl").exists()  # no attempt started
+    time.sleep(3)
+    assert (slurm.job(job)["JobState"], slurm.job(job)["Restarts"]) == ("FAILED", "0")  # and none comes
+    print(f"\nslurm job {job} (CPU, context parallelism, this Python without Transformer Engine): ended by its first step, "
+          f"exit code 2, not requeued; its log: {log.strip()}; {time.time() - began:.0f} s")
 
 
 STAGES = ["tiny_cpu", "longctx_tiny_cpu", "sft_tiny_cpu"]  # pretrain (128 tokens) → long context (512) → SFT

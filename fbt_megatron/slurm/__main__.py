@@ -20,7 +20,7 @@ from fbt_megatron.slurm import launch, script
 
 EXAMPLES = """examples:
   python -m fbt_megatron.slurm submit --recipe recipes/fbt_1b_100b.yaml --nodes 8 --gpus-per-node 8 --gpu h100 \\
-      --time 04:00:00 --partition gpu --container-image nvcr.io/nvidia/pytorch:25.01-py3 --fit-global-batch \\
+      --time 04:00:00 --partition gpu --container-image /shared/images/fbt-megatron+26.06.sqsh --fit-global-batch \\
       -- --train-data-path "[/data/web_text_document]" --tokenizer-model /data/tokenizer.model
   python -m fbt_megatron.slurm submit --chain recipes/fbt_1b_100b.yaml recipes/longctx_32k.yaml recipes/sft.yaml \\
       --nodes 8 --gpus-per-node 8 --gpu h100 --time 04:00:00 --runs-root runs/1b --container-image IMAGE \\
@@ -53,7 +53,8 @@ def _job_options() -> argparse.ArgumentParser:
     p.add_argument("--time", required=True, help="time limit of each job, HH:MM:SS or D-HH:MM:SS")
     p.add_argument("--partition")
     p.add_argument("--account")
-    p.add_argument("--container-image", help="run the tasks in this image (pyxis: srun --container-image)")
+    p.add_argument("--container-image", help="run the tasks in this image (pyxis: srun --container-image): the project's "
+                   "image, docs/gpu.md#the-container")
     p.add_argument("--container-mounts", action="append", default=[], metavar="SRC:DST[:FLAGS]",
                    help="also mount this in the container (repeatable; the work folder is always mounted)")
     p.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
@@ -97,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--launch", choices=script.LAUNCHES, default="torchrun",
                    help="torchrun: one task per node running torchrun; tasks: one task per GPU (default torchrun)")
     s.add_argument("--signal-margin", type=int, default=180, metavar="SECONDS",
-                   help="the batch shell gets USR1 this long before the time limit; the training checkpoints and the job requeues")
+                   help="the batch shell gets USR1 this long before the time limit; the training checkpoints and the job "
+                        f"requeues (torchrun waits up to this less {script.STOP_RESERVE} s for the save; default 180)")
     s.add_argument("--exit-margin", type=float, metavar="MINUTES",
                    help="also pass --exit-duration-in-mins (the time limit minus this): stop without a signal")
     s.add_argument("--runs-root", default="runs", help="run folders are <runs-root>/<recipe name> (default runs)")
@@ -124,7 +126,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--output-prefix", required=True, help="the merged PREFIX.bin/.idx (shards: PREFIX_shard-IIIII-of-NNNNN)")
     r.add_argument("--shards", type=int, required=True, help="array tasks, one shard of the inputs' files each")
     r.add_argument("--name", help="job name (default prepare-<output prefix name>)")
-    commands.add_parser("torchrun", help="inside a job: torchrun, ending with one line on SIGTERM (--launch torchrun)")
+    commands.add_parser("torchrun", help="inside a job: --stop-timeout SECONDS, then torchrun's command line: torchrun "
+                                         "that waits that long for the workers' save on SIGTERM (--launch torchrun)")
     commands.add_parser("task", help="inside a job: one training process per task (--launch tasks)")
     return p
 
@@ -168,8 +171,9 @@ def run_submit(args, train_flags) -> int:
         raise RecipeError(f"--max-restarts {args.max_restarts}: give 0 (no retries) or more")
     res.cpu_procs_per_node = args.procs_per_node
     limit = script.parse_time(args.time)
-    if not 0 < args.signal_margin < limit:
-        raise RecipeError(f"--signal-margin {args.signal_margin}: must be between 0 and the time limit ({limit} s)")
+    if not script.STOP_RESERVE < args.signal_margin < limit:
+        raise RecipeError(f"--signal-margin {args.signal_margin}: must be more than {script.STOP_RESERVE} s (what the job "
+                          f"script needs after the training stops) and less than the time limit ({limit} s)")
     if args.exit_margin is not None:
         if not 0 < args.exit_margin < limit / 60:
             raise RecipeError(f"--exit-margin {args.exit_margin}: must be between 0 and the time limit ({limit / 60:g} minutes)")

@@ -1,12 +1,16 @@
 """The two ways a job script starts the training processes on its nodes (``--launch``).
 
 ``torchrun``: one Slurm task per node runs torchrun (``python -m fbt_megatron.slurm torchrun
-ARGS``: torchrun's own command line). On SIGTERM — Slurm's requeue or cancel, or the job script's
-forwarded time-limit signal — torchrun forwards TERM to its workers, waits for them (they save a
-checkpoint at the next step boundary) and then raises; here that ends with one line instead of a
-traceback, exit code 128 + the signal. A worker that fails ends torchrun with that worker's exit code
-(128 + the signal that killed it), not torchrun's 1: the job script tells bad input (2) and a hang
-(124) from a crash by it (``resilience.attempts``).
+--stop-timeout S ARGS``: ARGS is torchrun's own command line) through ``stopping.torchrun``. On
+SIGTERM — the job script's forwarded time-limit signal, or Slurm's requeue or cancel — the workers
+get it, checkpoint at the next step boundary and exit 0, and so does the launcher, the workers' line
+last; it waits for them up to S seconds (the job script's ``--signal-margin`` less what the script
+needs after the training: the requeue must happen before the time limit), then kills them (exit
+128 + 9, one line). Plain torchrun would kill them 30 s after the signal (its ``close`` timeout,
+torch ``elastic/multiprocessing/api.py``), cutting a full-size save. A worker that fails ends the
+launcher with that worker's exit code (128 + the signal that killed it), not torchrun's 1: the job
+script tells bad input (2) and a hang (124) from a crash by it (``resilience.attempts``). A
+torchrun too old for ``--signals-to-handle`` keeps its own 30 s and ends with 128 + the signal.
 
 ``tasks``: one Slurm task per GPU, no torchrun (``python -m fbt_megatron.slurm task ARGS``: the
 training's command line). megatron-core 0.16 and torch.distributed read only torch's names, so
@@ -14,6 +18,14 @@ each task exports RANK, WORLD_SIZE and LOCAL_RANK from Slurm's, then becomes the
 (``python -m fbt_megatron.train ARGS``, exec'd: the same process, which Slurm signals);
 MASTER_ADDR and MASTER_PORT come from the job script (the job's first node, a port derived from
 the job id).
+
+Neither srun nor slurmd cuts the time-limit stop short: ``scancel --signal=TERM`` only signals the
+steps' processes (slurmstepd ``_handle_signal_container``), with no SIGKILL after it; srun kills a
+step on its own only when a task exits non-zero (``--kill-on-bad-exit``), when srun itself gets
+SIGTERM (not the case: the batch shell is not signalled) or ``--wait``/``WaitTime`` seconds after the
+first task ends (default 0: never). A requeue, a cancel or the time limit itself are Slurm's own
+terminations: SIGTERM, then SIGKILL ``KillWait`` seconds later (``scontrol show config``; default
+30), for every launch (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -40,18 +52,11 @@ def task(train_args: List[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-m", "fbt_megatron.train", *train_args])
 
 
-def torchrun(torchrun_args: List[str]) -> int:
-    from torch.distributed import run
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+def torchrun(argv: List[str]) -> int:
+    """``--stop-timeout SECONDS`` then torchrun's own command line (``stopping.torchrun``)."""
+    from fbt_megatron.stopping import torchrun as run_torchrun
 
-    from fbt_megatron.stopping import failed_worker
-
-    try:
-        run.main(torchrun_args)
-    except SignalException as e:
-        print(f"torchrun: {e.sigval.name}: the workers were sent {e.sigval.name} and have ended", file=sys.stderr, flush=True)
-        return 128 + int(e.sigval)
-    except ChildFailedError as e:
-        return failed_worker(e)
-    return 0
+    if argv[:1] != ["--stop-timeout"] or len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+        raise ValueError(f"python -m fbt_megatron.slurm torchrun: expected --stop-timeout SECONDS (1 or more) before "
+                         f"torchrun's arguments, got {' '.join(argv[:2]) or 'nothing'}")
+    return run_torchrun(argv[2:], stop_timeout=int(argv[1]))

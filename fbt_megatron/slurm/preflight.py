@@ -3,7 +3,8 @@ shows the same). Every stage is planned for the job's nodes × GPUs (``fbt_megat
 layout's divisibility, a global batch that splits over the data-parallel ranks, the memory per GPU);
 the files a job reads (data, tokenizer, the weights a stage starts from, an export) exist or are
 named as placeholders (``/path/to/...``, ``<...>``); and GPU nodes get an environment that can use
-them (not a CPU-only torch). Each problem is one line; ``Check`` collects them with the notes
+them (not a CPU-only torch, not NVIDIA's stock PyTorch image: a training job checks its image itself,
+as its first step, ``image_check.py``). Each problem is one line; ``Check`` collects them with the notes
 printed before the jobs (each stage's plan, what ``--fit-global-batch`` changed)."""
 
 from __future__ import annotations
@@ -130,10 +131,23 @@ def vocabulary_note(recipe: Recipe) -> Optional[str]:
             f"the {planned:,} of the {recipe.model.preset} preset (parameters and the plan are smaller)")
 
 
+# NVIDIA's PyTorch image as it ships (pyxis/enroot spell the registry either way): no megatron-core,
+# no transformers, not this project. The project's image is built FROM it (packaging/container/Dockerfile).
+STOCK_NGC_PYTORCH = re.compile(r"(docker://)?nvcr\.io[/#]nvidia/pytorch:")
+PROJECT_IMAGE = "the project's image (packaging/container/Dockerfile: NGC PyTorch and the wheelhouse, docs/gpu.md#the-container)"
+
+
 def environment_problems(res: Resources, python: str, vllm: bool = False) -> List[str]:
-    """GPU nodes without a container run this Python: its torch must be a GPU build (``vllm``:
-    and vLLM must be installed beside it)."""
+    """GPU nodes without a container run this Python: its torch must be a GPU build (``vllm``: and
+    vLLM must be installed beside it). A container image is checked by the training job itself, as
+    its first step on a node (``image_check.py``: megatron-core, Transformer Engine on GPUs, this
+    project); here only NVIDIA's stock PyTorch image is refused, which has none of them."""
     if res.container_image:
+        if STOCK_NGC_PYTORCH.match(res.container_image):
+            fix = ("an image with vLLM and this package (requirements-serve-gpu.txt, docs/serving.md)" if vllm
+                   else f"{PROJECT_IMAGE}, built from it")
+            return [f"--container-image {res.container_image} is NVIDIA's PyTorch image as it ships, without "
+                    f"megatron-core, transformers or this project: give {fix}"]
         return []
     problems = []
     if res.gpus_per_node > 0:
@@ -141,8 +155,8 @@ def environment_problems(res: Resources, python: str, vllm: bool = False) -> Lis
 
         if torch.version.cuda is None and torch.version.hip is None:
             problems.append(f"GPU jobs without --container-image run {python}, whose torch {torch.__version__} is a "
-                            "CPU-only build: give --container-image IMAGE (e.g. nvcr.io/nvidia/pytorch:25.01-py3), or "
-                            "submit from an environment with a CUDA torch (requirements-gpu.txt)")
+                            f"CPU-only build: give --container-image with {PROJECT_IMAGE}, or submit from a Python "
+                            "with a CUDA torch and requirements-gpu.txt's packages")
     if vllm and not Path(python).with_name("vllm").exists() and importlib.util.find_spec("vllm") is None:
         problems.append(f"vLLM is not installed beside {python}: pip install -e '.[serve]' (requirements-serve.txt), "
                         "or give --container-image IMAGE with vLLM and this package")

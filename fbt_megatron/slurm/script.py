@@ -31,6 +31,32 @@ def parse_time(text: str) -> int:
     return total
 
 
+STOP_RESERVE = 20  # seconds the job script needs, after the training stopped, before the time limit (attempts.py, the requeue)
+
+
+def stop_seconds(signal_seconds: int) -> int:
+    """How long torchrun's workers get from the time-limit SIGTERM to save and exit (``--stop-timeout``):
+    the signal margin less ``STOP_RESERVE``, so that the job script still requeues the job before Slurm
+    ends it at the limit (a job that reaches its limit is not requeued)."""
+    return signal_seconds - STOP_RESERVE
+
+
+def device_connections(config: Recipe) -> str:
+    """The job's CUDA_DEVICE_MAX_CONNECTIONS line. 1 (kept when the submitting shell exports another
+    value) with tensor or context parallelism: megatron-core relies on one hardware queue to issue a
+    tensor-parallel layer's asynchronous all-gather, reduce-scatter or all-reduce before the GEMM it
+    overlaps with (``tensor_parallel/layers.py``, core_v0.16.1 and core_v0.19.0: a speedup, not
+    correctness; it warns without it), and Megatron-LM's own training refuses TP or CP > 1 without it
+    on GPUs before Blackwell (``megatron/training/arguments.py``, core_v0.19.0). Else unset: nothing of
+    megatron-core needs it, and one queue would serialise side streams with compute (``offload.py``'s
+    copies)."""
+    p = config.parallel
+    if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
+        return (f"export CUDA_DEVICE_MAX_CONNECTIONS=${{CUDA_DEVICE_MAX_CONNECTIONS:-1}}  # TP {p.tensor_model_parallel_size}, "
+                f"CP {p.context_parallel_size}")
+    return "# (TP 1, CP 1: CUDA_DEVICE_MAX_CONNECTIONS not set)"
+
+
 SERVE_CPU_KV_CACHE = "1G"  # vllm serve's KV cache on a CPU node (docs/serving.md's serve line)
 CPUS_PER_GPU = 8  # CPUs per GPU of a one-task job (export + evaluation, serving) without --cpus-per-task
 
@@ -128,6 +154,14 @@ class Stage:
         return args + (["--pretrained-checkpoint", str(self.pretrained)] if self.pretrained else [])
 
 
+def image_check(stage: Stage, res: Resources) -> str:
+    """The training job's first step, run in the job's Python (the image's, or this one): ``image_check.py``
+    (by its path) and its arguments: what the stage needs depends on GPU nodes and context parallelism."""
+    args = [*(["--image", res.container_image] if res.container_image else []), *(["--gpu"] if res.gpus_per_node else []),
+            *(["--context-parallel"] if stage.config.parallel.context_parallel_size > 1 else [])]
+    return quoted([REPOSITORY / "fbt_megatron" / "slurm" / "image_check.py", *args])
+
+
 def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: int, workdir: Path, python: str,
                     max_restarts: int) -> str:
     """The job of one stage; failed attempts are requeued up to ``max_restarts`` times from one checkpoint."""
@@ -141,7 +175,8 @@ def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: i
         workdir=shlex.quote(str(workdir)), launch=launch, procs_per_node=procs, save=shlex.quote(str(stage.save)),
         train_iters=stage.train_iters, train_args=quoted(stage.train_args()), container=res.container(workdir),
         python=res.python(python), environment=res.exports(), repository=shlex.quote(str(REPOSITORY)),
-        max_restarts=max_restarts, attempts=" ".join(attempts),
+        max_restarts=max_restarts, attempts=" ".join(attempts), image_check=image_check(stage, res), stop_seconds=stop_seconds(signal_seconds),
+        device_connections=device_connections(stage.config),
     )
 
 
