@@ -102,8 +102,9 @@ class TrainingSection:
     inject_nan: Optional[str] = None
     """Testing aid: NaN/Inf at chosen steps, e.g. "loss@3,grad@5-6,grad@9:inf" (bad_steps.py)."""
     inject_fault: Optional[List[str]] = None
-    """Drill: crash@STEP[:RANK] (kill -9), hang@STEP[:RANK] (blocks the next collective) or spike@STEP
-    (loss and gradients scaled up), repeatable (fbt_megatron/resilience/faults.py; docs/operations.md)."""
+    """Drill: crash@STEP[:RANK] (kill -9), hang@STEP[:RANK] (blocks the next collective), freeze@STEP[:RANK]
+    (holds the interpreter: the rank writes nothing) or spike@STEP (loss and gradients scaled up),
+    repeatable (fbt_megatron/resilience/faults.py; docs/operations.md)."""
     distributed_timeout_minutes: int = 10
     """Timeout of the process groups' collectives (torch.distributed), minutes."""
     hang_timeout_minutes: float = 30.0

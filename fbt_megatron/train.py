@@ -31,7 +31,7 @@ from fbt_megatron.optimizers.schedule import choose_schedule
 from fbt_megatron.passes import pass_schedule
 from fbt_megatron.plan.planner import print_plan
 from fbt_megatron.recipe import Recipe
-from fbt_megatron.resilience.watchdog import Watchdog
+from fbt_megatron.resilience.watchdog import Watchdog, arm_flight_recorder
 from fbt_megatron.saver import Saver, check_save
 from fbt_megatron.step import TrainStep, evaluate
 from fbt_megatron.stopping import StopCheck
@@ -59,6 +59,7 @@ def train(recipe: Recipe) -> List[dict]:
     platform.install()
     if c.save:  # its checkpoint writers' manager, forked while small, before CUDA and NCCL (megatron_fixes)
         megatron_fixes.start_write_results_queue()
+    arm_flight_recorder(c.save)  # before the process groups: NCCL's timeout dumps its flight recorder to <save>/hang/
     platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed,
                               context_parallel_size=p.context_parallel_size, timeout_s=60 * t.distributed_timeout_minutes)
     data = build_data(recipe, dist.get_rank())

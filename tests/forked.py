@@ -24,7 +24,8 @@ process imports the target (``["-m", module, *argv]`` or ``[script, *argv]``) an
 then forks ``nproc`` ranks at once with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT, OMP_NUM_THREADS=1), each a real process joining one gloo process group; their
 output goes to ``log``. When a rank fails the others are killed (they would wait for it in a
-collective), as torchrun stops them.
+collective), as torchrun stops them; with ``each=[]`` none is: every rank ends by itself, and
+``each`` gets every rank's exit code (a run whose ranks all end on their own, e.g. a hang's 124).
 """
 
 import atexit
@@ -133,20 +134,26 @@ def run_commands(module: str, commands: List[Command], timeout: int = 900, listi
         return results["codes"]
 
 
-def run_ranks(target: Sequence, nproc: int, log: Path, timeout: int = 900) -> int:
+def run_ranks(target: Sequence, nproc: int, log: Path, timeout: int = 900, each: Optional[list] = None) -> int:
     """The exit code of ``target`` (``["-m", module, *argv]`` or ``[script, *argv]``) run as ``nproc``
-    ranks (0: every rank succeeded; else the first failure's); all output in ``log``."""
+    ranks (0: every rank succeeded; else the first failure's); all output in ``log``. ``each``: gets
+    every rank's exit code, in rank order, and no rank is stopped when another fails."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    with open(log, "w") as out:  # a session of its own: on a timeout every rank goes with the launcher
-        launcher = subprocess.Popen([sys.executable, __file__, "--ranks", str(nproc), *map(str, target)], cwd=ROOT, env=env,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with tempfile.TemporaryDirectory() as tmp, open(log, "w") as out:
+        codes = Path(tmp) / "codes.json" if each is not None else None
+        # a session of its own: on a timeout every rank goes with the launcher
+        launcher = subprocess.Popen([sys.executable, __file__, "--ranks", str(nproc), str(codes or ""), *map(str, target)],
+                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return launcher.wait(timeout=timeout)
+            code = launcher.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
             raise
+        if codes is not None:
+            each.extend(json.loads(codes.read_text()))
+        return code
 
 
 def _load(target: List[str]):
@@ -187,7 +194,9 @@ def _rank(module, script: bool, argv: List[str], rank: int, nproc: int, port: in
     return code if isinstance(code, int) else (0 if code is None else 1)
 
 
-def ranks(nproc: int, target: List[str]) -> int:
+def ranks(nproc: int, codes: str, target: List[str]) -> int:
+    """Fork the ranks and wait for them; ``codes``: a file for every rank's exit code (then no rank is
+    stopped when another fails), or ""."""
     importlib.import_module("fbt_megatron.train")  # torch and megatron-core, once for every rank
     module, argv, script = _load(target)
     with socket.socket() as s:
@@ -201,16 +210,20 @@ def ranks(nproc: int, target: List[str]) -> int:
         if pid == 0:
             os._exit(_rank(module, script, argv, rank, nproc, port))
         pids.append(pid)
-    failed = 0
-    while pids:
+    failed, each = 0, {}
+    while len(each) < nproc:
         pid, status = os.wait()
-        pids.remove(pid)
-        code = os.waitstatus_to_exitcode(status)
+        if pid not in pids:
+            continue
+        each[pid] = code = os.waitstatus_to_exitcode(status)
         if code and not failed:
             failed = code
-            print(f"forked.run_ranks: a rank exited with {code}: stopping the others", file=sys.stderr, flush=True)
-            for other in pids:  # they would wait for it in a collective
-                os.kill(other, signal.SIGKILL)
+            if not codes:
+                print(f"forked.run_ranks: a rank exited with {code}: stopping the others", file=sys.stderr, flush=True)
+                for other in set(pids) - set(each):  # they would wait for it in a collective
+                    os.kill(other, signal.SIGKILL)
+    if codes:
+        Path(codes).write_text(json.dumps([each[pid] for pid in pids]))
     return failed
 
 
@@ -257,7 +270,7 @@ def _wait(pid: int, out: str, signals: list, processes: list) -> int:
 
 def main() -> None:
     if sys.argv[1] == "--ranks":
-        sys.exit(ranks(int(sys.argv[2]), sys.argv[3:]))
+        sys.exit(ranks(int(sys.argv[2]), sys.argv[3], sys.argv[4:]))
     name, spec, results = sys.argv[1:]
     module = importlib.import_module(name)  # under its own name: a ``__main__`` module's guard stays shut
     spec = json.loads(Path(spec).read_text())

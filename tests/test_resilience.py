@@ -9,12 +9,21 @@
   their stacks, the stuck one is named, the run exits 124 within the timeout plus a grace;
   ``--load`` resumes (the hang does not fire again, the spike does and is rewound again) and logs
   the losses of the uninterrupted 2-rank run bit for bit.
+* Which rank is stuck, from the collectives each rank issued per group (``watchdog.diagnose``): the
+  rank behind, not the ranks ahead, whatever their Python is doing (a pipeline's chain, a desync).
+  Real processes: rank 0 stuck on the simulated device (its groups are ``fakenccl``): named from
+  the device group's counts, both ranks exit 124, ``exit_status.json`` names it; a hang as NCCL
+  leaves it (the waiting rank issued its collective asynchronously and waits outside any
+  ``torch.distributed`` call): only the stuck rank is named, as the flight recorder's own record
+  agrees; ``freeze@3:0`` (rank 0 holds the interpreter: no stacks) is named by its missing file,
+  and rank 1 writes ``exit_status.json``.
 * A Slurm job's attempts and retry budget (``resilience/attempts.py``) against stand-ins for
   scontrol and sinfo; the real Slurm: tests/test_slurm.py.
 """
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -29,14 +38,14 @@ from fbt_megatron.errors import RecipeError
 from fbt_megatron.metrics import read_metrics
 from fbt_megatron.resilience.faults import Fault, parse_faults
 from fbt_megatron.resilience.spikes import Spikes
-from fbt_megatron.resilience.watchdog import HANG_EXIT
+from fbt_megatron.resilience.watchdog import HANG_EXIT, diagnose
 from forked import run_commands, run_ranks
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
-SPIKE = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
-         "--log-interval", "1", "--eval-iters", "0", "--threads", "1", "--train-iters", "10", "--save-interval", "2",
-         "--spike-window", "4", "--spike-policy", "rewind", "--inject-fault", "spike@6"]
+RUN = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
+       "--log-interval", "1", "--eval-iters", "0", "--threads", "1", "--train-iters", "10", "--save-interval", "2"]
+SPIKE = [*RUN, "--spike-window", "4", "--spike-policy", "rewind", "--inject-fault", "spike@6"]
 HANG_MINUTES = 0.3  # 18 s without a step: far more than a step and a checkpoint of the tiny model take here
 REWIND_LINE = re.compile(r"^step 6: gradient norm \S+ is \d+× the median \S+ of the last 4 steps \(--spike-factor 10\): spike 1, "
                          r"rewound to checkpoint iter_0000004, the batches of steps 5-6 skipped \(rewind 1 of --max-rewinds 3; "
@@ -47,14 +56,14 @@ def test_fault_specs_and_spike_flags_are_checked_in_one_line():
     recipe = train.parse_args(["--recipe", TINY, "--inject-fault", "crash@5:1", "--inject-fault", "[hang@3:1, spike@6]"])
     assert recipe.training.inject_fault == ["crash@5:1", "hang@3:1", "spike@6"]  # repeated: the values add up
     assert parse_faults(recipe.training.inject_fault) == [Fault("crash", 5, 1), Fault("hang", 3, 1), Fault("spike", 6, 0)]
-    assert parse_faults(["crash@7"]) == [Fault("crash", 7, 0)]  # rank 0 unless given
+    assert parse_faults(["crash@7", "freeze@2:1"]) == [Fault("crash", 7, 0), Fault("freeze", 2, 1)]  # rank 0 unless given
     bad = {
-        ("--inject-fault", "crash5"): "training.inject_fault: 'crash5' is not KIND@STEP[:RANK] (KIND: crash, hang, spike; "
-                                      "STEP from 1), e.g. --inject-fault crash@5:1",
+        ("--inject-fault", "crash5"): "training.inject_fault: 'crash5' is not KIND@STEP[:RANK] (KIND: crash, hang, freeze, "
+                                      "spike; STEP from 1), e.g. --inject-fault crash@5:1",
         ("--inject-fault", "spike@6:1"): "training.inject_fault: 'spike@6:1': a spike is the whole step's, on every rank: "
                                          "give spike@6",
-        ("--inject-fault", "crash@0"): "training.inject_fault: 'crash@0' is not KIND@STEP[:RANK] (KIND: crash, hang, spike; "
-                                       "STEP from 1), e.g. --inject-fault crash@5:1",
+        ("--inject-fault", "crash@0"): "training.inject_fault: 'crash@0' is not KIND@STEP[:RANK] (KIND: crash, hang, freeze, "
+                                       "spike; STEP from 1), e.g. --inject-fault crash@5:1",
         ("--spike-factor", "1"): "training.spike_factor must be > 1, training.spike_window >= 1 and training.max_rewinds >= 0",
         ("--hang-timeout-minutes", "-1"): "training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0",
         ("--spike-policy", "undo"): "--spike-policy must be one of ['off', 'warn', 'skip', 'rewind'], got 'undo'",
@@ -166,14 +175,16 @@ def test_a_hang_ends_with_every_ranks_stacks_and_resumes_exactly(drills):
     assert hang["code"] == HANG_EXIT, hang["log"][-3000:]
     assert hang["seconds"] < 60 * HANG_MINUTES + 30, hang["seconds"]  # the timeout, the watchdog's check, the grace, torchrun
     [line] = [line for line in hang["log"].splitlines() if line.startswith("hang: ")]
-    assert re.fullmatch(rf"hang: no step progress for \d+ s after step 2 \(--hang-timeout-minutes {HANG_MINUTES:g}\): rank 1 stuck "
-                        r"outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step\); rank 0 waiting in a "
-                        rf"collective; stacks in {tmp}/hang/hang/rank\*.txt; exit 124: a restart \(--load\) resumes from the "
-                        r"last checkpoint", line), line
+    named = re.fullmatch(rf"hang: no step progress for \d+ s after step 2 \(--hang-timeout-minutes {HANG_MINUTES:g}\): rank 1 stuck "
+                         r"outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; (\d+) collectives issued on "
+                         rf"\S+, rank 0 (\d+)\); rank 0 waiting in a collective; stacks in {tmp}/hang/hang/rank\*.txt; exit 124: "
+                         r"a restart \(--load\) resumes from the last checkpoint", line)
+    assert named and int(named[2]) > int(named[1]), line  # gloo: rank 0 waits inside the one collective rank 1 never issued
+    assert (tmp / "hang" / "hang" / "diagnosis.txt").read_text() == line + "\n"
     stacks = hang["stacks"]
-    assert stacks[0].splitlines()[0].endswith("; in a collective") and "distributed_c10d.py" in stacks[0]
-    assert stacks[1].splitlines()[0].endswith("; not in a collective") and 'faults.py", line' in stacks[1]
-    assert hang["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002"}
+    assert "inside a torch.distributed call; collectives issued: " in stacks[0].splitlines()[0] and "distributed_c10d.py" in stacks[0]
+    assert "outside a torch.distributed call; collectives issued: " in stacks[1].splitlines()[0] and 'faults.py", line' in stacks[1]
+    assert hang["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002", "stuck_ranks": [1]}
     _ok(resumed)
     assert "--inject-fault hang" not in resumed["log"] and len(REWIND_LINE.findall(resumed["log"])) == 1
     keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "skipped_steps"]
@@ -181,6 +192,89 @@ def test_a_hang_ends_with_every_ranks_stacks_and_resumes_exactly(drills):
     assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]  # bitwise
     print(f"\nhang@3:1 on 2 ranks: {line}\nended {hang['seconds']:.1f} s after the hang began (timeout "
           f"{60 * HANG_MINUTES:g} s); the resume's losses equal the uninterrupted run's bit for bit")
+
+
+def test_the_stuck_rank_is_the_one_behind_on_a_group_whatever_python_is_doing():
+    """Reports as the ranks write them (``rank<R>.json``: per group, the collectives issued) and who
+    is stuck. A pipeline's chain: rank 2 waits for rank 1 on their group, rank 1 for rank 0 on theirs;
+    only rank 0, behind there and ahead nowhere, is stuck, although no rank is inside a
+    torch.distributed call (on NCCL they wait in a ``.item()``). A rank that wrote nothing is silent
+    and the others wait for it, in a collective call or not; two ranks each ahead on a group (a
+    desync) both wait; equal counts and no rank in a call: each is stuck (e.g. in I/O)."""
+    def report(in_call=False, **issued):
+        return {"in_call": in_call, "groups": {key: {"group": key.upper(), "ranks": [], "issued": n} for key, n in issued.items()}}
+
+    assert diagnose({0: report(g01=5), 1: report(g01=6, g12=3), 2: report(g12=4)}, 3) == ([0], [], [1, 2], ("G01", 5, {1: 6}))
+    assert diagnose({1: report(True, dp=7)}, 2) == ([], [0], [1], None)
+    assert diagnose({1: report(dp=7), 2: report(dp=7)}, 3) == ([], [0], [1, 2], None)
+    assert diagnose({0: report(a=6, b=3), 1: report(a=5, b=4)}, 2) == ([], [], [0, 1], None)
+    assert diagnose({0: report(dp=7), 1: report(dp=7)}, 2) == ([0, 1], [], [], None)
+
+
+def _hang(tmp_path, small_corpus, fault: str, each=None) -> dict:
+    """2 forked ranks of the tiny run with ``fault`` and the watchdog at HANG_MINUTES: the exit code
+    (the first failure's; with ``each``: every rank's, none stopped), the output, the one line."""
+    flags = [*RUN, "--data-path", Path(small_corpus.train_prefix).parent, "--corpus", "null", "--save", tmp_path / "run",
+             "--inject-fault", fault, "--hang-timeout-minutes", HANG_MINUTES]
+    code = run_ranks(["-m", "fbt_megatron.train", "--recipe", TINY, *map(str, flags)], 2, tmp_path / "run.log", each=each)
+    log = (tmp_path / "run.log").read_text()
+    lines = [line for line in log.splitlines() if line.startswith("hang: ")]
+    assert len(lines) == 1, log[-3000:]
+    return {"code": code, "log": log, "line": lines[0], "status": json.loads((tmp_path / "run" / "exit_status.json").read_text())}
+
+
+@pytest.mark.slow
+def test_rank_0_stuck_is_named_from_the_device_groups_and_both_ranks_exit_124(tmp_path, small_corpus, monkeypatch):
+    """``hang@3:0`` on the simulated device (its groups are ``fakenccl``, as NCCL's would be), the
+    ranks left to end by themselves: each exits 124, the one line names rank 0 from the
+    data-parallel group's counts, and ``exit_status.json`` names it."""
+    monkeypatch.setenv("FBT_SIMULATED_DEVICE", "1")
+    each = []
+    run = _hang(tmp_path, small_corpus, "hang@3:0", each)
+    assert each == [HANG_EXIT, HANG_EXIT], run["log"][-3000:]
+    assert re.search(r"\): rank 0 stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; \d+ collectives "
+                     r"issued on DATA_PARALLEL_GROUP(_WITH_CP)?, rank 1 \d+\); rank 1 waiting in a collective; ", run["line"]), run["line"]
+    assert run["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002", "stuck_ranks": [0]}
+    print(f"\nhang@3:0 on the simulated device, both ranks exit {each}: {run['line']}")
+
+
+@pytest.mark.slow
+def test_a_hang_as_nccl_leaves_it_names_the_rank_behind_not_the_rank_waiting_outside_a_collective_call(tmp_path, monkeypatch):
+    """tests/distributed/hang_worker.py on the simulated device: rank 1 hangs before its all-reduce;
+    rank 0 issued it asynchronously and waits from its own code, outside any torch.distributed call
+    (where Python sits, the two ranks look alike). Only rank 1 is named, from the counts; torch's
+    flight recorder, dumped beside the stacks, agrees: rank 0 enqueued one collective that never
+    completed, rank 1 none."""
+    monkeypatch.setenv("FBT_SIMULATED_DEVICE", "1")
+    each, folder = [], tmp_path / "hang"
+    launch_log = tmp_path / "worker.log"
+    run_ranks([Path(__file__).parent / "distributed" / "hang_worker.py", tmp_path, 1, 0.05], 2, launch_log, each=each)
+    log = launch_log.read_text()
+    assert each == [HANG_EXIT, HANG_EXIT], log[-3000:]
+    heads = {r: (folder / f"rank{r}.txt").read_text().splitlines()[0] for r in (0, 1)}
+    assert "main thread at hang_worker.py:" in heads[0] and "outside a torch.distributed call" in heads[0], heads[0]
+    assert "faults.py" in heads[1] and "outside a torch.distributed call" in heads[1], heads[1]
+    [line] = [line for line in log.splitlines() if line.startswith("hang: ")]
+    assert re.search(r"\): rank 1 stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; 0 collectives "
+                     r"issued on default_pg, rank 0 1\); rank 0 waiting in a collective; ", line), line
+    assert json.loads((tmp_path / "exit_status.json").read_text())["stuck_ranks"] == [1]
+    traces = {r: pickle.loads((folder / f"fr_trace_rank_{r}").read_bytes()) for r in (0, 1)}
+    assert [(g["last_enqueued_collective"], g["last_completed_collective"]) for g in traces[0]["pg_status"].values()] == [(1, -1)]
+    assert traces[1]["pg_status"] == {}
+
+
+@pytest.mark.slow
+def test_a_silent_rank_0_is_named_by_its_missing_stacks_and_rank_1_writes_the_status(tmp_path, small_corpus):
+    """``freeze@3:0``: rank 0 holds the interpreter, so its watchdog never runs and it writes nothing;
+    rank 1 waits GRACE_S for it, names it by its missing file, writes ``exit_status.json`` (rank 0
+    wrote it alone before) and exits 124; the launcher then ends rank 0, as torchrun or srun would."""
+    run = _hang(tmp_path, small_corpus, "freeze@3:0")
+    assert run["code"] == HANG_EXIT, run["log"][-3000:]
+    assert "--inject-fault freeze@3:0: rank 0 hangs holding the interpreter at the start of step 3" in run["log"]
+    assert re.search(r"\): rank 0 wrote no stacks \(stuck holding the interpreter, or gone\); rank 1 waiting in a collective; ",
+                     run["line"]), run["line"]
+    assert not list((tmp_path / "run" / "hang").glob("rank0*")) and (tmp_path / "run" / "hang" / "rank1.json").is_file()
+    assert run["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002", "stuck_ranks": [0]}
 
 
 def test_attempts_requeue_failures_within_the_budget_per_checkpoint(tmp_path, monkeypatch, capsys):

@@ -3,22 +3,27 @@
 * ``crash@5:1`` — rank 1 dies at the start of step 5 as ``kill -9`` kills it (SIGKILL to itself).
 * ``hang@3:1`` — rank 1 stops at the start of step 3 and never returns; the other ranks block in
   the step's first collective. The hang watchdog (``watchdog``) ends the run.
+* ``freeze@3:1`` — the same, but rank 1 holds the interpreter while it waits (a C call that never
+  returns: Python's own lock taken twice through its C API), so none of its threads runs, its
+  watchdog included: it writes no stacks, the others name it by its missing file, and the launcher
+  ends it once they have exited.
 * ``spike@6`` — step 6's loss and gradients are scaled by ``SPIKE_FACTOR`` (every rank: the whole
   step's), as a loss spike; the spike policy (``spikes``) answers it.
 
 The rank is 0 when not given; steps count from 1, as in the logs. The flag repeats (``--inject-fault
 crash@5:1 --inject-fault spike@6``; a recipe: ``inject_fault: [crash@5:1, spike@6]``).
 
-A crash or hang is the machine's fault, which a restart fixes: it fires once per run folder. The
-rank that fires it first appends it to ``<save>/injected_faults.jsonl``, and a run (a restart, a
-``--load``) skips the faults found there; so ``crash@5`` with a checkpoint at step 4 crashes once,
-and the restart runs step 5 to the end. A spike belongs to the step's data, as a real one would: it
-fires whenever step 6 is trained, also after a resume from an earlier checkpoint, so the spike
-policy's answer repeats exactly.
+A crash, hang or freeze is the machine's fault, which a restart fixes: it fires once per run
+folder. The rank that fires it first appends it to ``<save>/injected_faults.jsonl``, and a run (a
+restart, a ``--load``) skips the faults found there; so ``crash@5`` with a checkpoint at step 4
+crashes once, and the restart runs step 5 to the end. A spike belongs to the step's data, as a
+real one would: it fires whenever step 6 is trained, also after a resume from an earlier
+checkpoint, so the spike policy's answer repeats exactly.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -30,10 +35,10 @@ from typing import List, NamedTuple, Optional
 
 from fbt_megatron.errors import RecipeError
 
-KINDS = ("crash", "hang", "spike")
+KINDS = ("crash", "hang", "freeze", "spike")
 SPIKE_FACTOR = 1000.0  # a spike's loss and gradients: this many times the step's own
 FIRED = "injected_faults.jsonl"
-_SPEC = re.compile(r"^(crash|hang|spike)@(\d+)(?::(\d+))?$")
+_SPEC = re.compile(rf"^({'|'.join(KINDS)})@(\d+)(?::(\d+))?$")
 
 
 class Fault(NamedTuple):
@@ -71,11 +76,13 @@ class Faults:
         self.faults = [f for f in parse_faults(specs) if str(f) not in fired]
 
     def start_step(self, step: int) -> None:
-        """At the start of step ``step``: this rank's crash or hang, if one is due."""
-        for fault in [f for f in self.faults if f.step == step and f.rank == self.rank and f.kind in ("crash", "hang")]:
+        """At the start of step ``step``: this rank's crash, hang or freeze, if one is due."""
+        for fault in [f for f in self.faults if f.step == step and f.rank == self.rank and f.kind != "spike"]:
             self._fired(fault)
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "freeze":
+                _hold_the_interpreter()
             threading.Event().wait()  # hang: no return; the watchdog ends the run
 
     def spike(self, step: int, model, report: dict) -> None:
@@ -88,11 +95,22 @@ class Faults:
                 report["pass_losses"] = report["pass_losses"] * SPIKE_FACTOR
 
     def _fired(self, fault: Fault) -> None:
-        print(f"--inject-fault {fault}: rank {self.rank} {'dies (SIGKILL)' if fault.kind == 'crash' else 'hangs'} "
-              f"at the start of step {fault.step}", flush=True)
+        what = {"crash": "dies (SIGKILL)", "hang": "hangs", "freeze": "hangs holding the interpreter"}[fault.kind]
+        print(f"--inject-fault {fault}: rank {self.rank} {what} at the start of step {fault.step}", flush=True)
         if self.record is not None:
             line = json.dumps({"fault": str(fault), "rank": self.rank, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
             with open(self.record, "a") as f:
                 f.write(line + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+
+
+def _hold_the_interpreter() -> None:
+    """Never returns, holding the GIL: Python's own lock acquired twice through its C API
+    (``ctypes.pythonapi`` calls keep the GIL; a signal does not end the wait)."""
+    api = ctypes.pythonapi
+    api.PyThread_allocate_lock.restype = ctypes.c_void_p
+    api.PyThread_acquire_lock.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lock = api.PyThread_allocate_lock()
+    api.PyThread_acquire_lock(lock, 1)
+    api.PyThread_acquire_lock(lock, 1)  # taken already, by this thread: waits for ever
