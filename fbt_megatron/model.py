@@ -38,6 +38,11 @@ from fbt_megatron.losses import ZLoss, vocab_parallel_cross_entropy_z
 from fbt_megatron.offload import offloading
 
 
+# Under the TE spec the MLP's input norm is a parameter of its first linear: its checkpoint name is
+# the local spec's (a layer's sharded-state-dict prefix map), so checkpoints move between the specs.
+FUSED_NORM_KEYS = {"mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+
+
 @dataclass
 class FBTModelSubmodules:
     decoder_layer: ModuleSpec
@@ -57,13 +62,19 @@ def fbt_model_spec(
         from megatron.core.extensions.transformer_engine import (
             TEColumnParallelLinear,
             TEDotProductAttention,
+            TELayerNormColumnParallelLinear,
             TENorm,
             TERowParallelLinear,
         )
 
         norm, col, row, core_attention = TENorm, TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention
+        # the MLP's input norm inside its first GEMM (TE's LayerNormLinear: one kernel, its output FP8
+        # under FP8); checkpoints keep the local spec's name for the norm's weight (the layer's key map).
+        # The attention's input norm stays apart: the headwise gate reads the normed input.
+        pre_mlp_norm, fc1, keys = IdentityOp, TELayerNormColumnParallelLinear, FUSED_NORM_KEYS
     else:
         norm, col, row, core_attention = RMSNorm, ColumnParallelLinear, RowParallelLinear, FBTDotProductAttention
+        pre_mlp_norm, fc1, keys = norm, col, {}
     if local_attention:
         core_attention = FBTDotProductAttention
 
@@ -85,9 +96,10 @@ def fbt_model_spec(
             input_layernorm=norm,
             self_attention=attention,
             post_self_attn_layernorm=post_norm,
-            pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)),
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=row)),
             post_mlp_layernorm=post_norm,
+            sharded_state_dict_keys_map=keys,
         ),
     )
     fusion = None

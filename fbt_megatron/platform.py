@@ -89,8 +89,9 @@ def gradient_accumulation_fusion() -> bool:
 def require_transformer_engine(what: str) -> None:
     if not have_transformer_engine():
         raise RuntimeError(
-            f"{what} needs Transformer Engine on a CUDA machine; install the GPU extras "
-            "(pip install -r requirements-gpu.txt, or use an NGC PyTorch container)"
+            f"{what} needs Transformer Engine on a CUDA machine: run in the project's image (NGC PyTorch with the "
+            "wheelhouse: packaging/container/Dockerfile, docs/gpu.md#the-container); Transformer Engine comes with "
+            "the image — do not pip-install it, or vLLM, into it"
         )
 
 

@@ -91,3 +91,24 @@ def test_k1_equals_megatron_gptmodel():
     with torch.no_grad():
         expected = gpt(x, None, None)
     torch.testing.assert_close(logits_of(model, x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_te_specs_fused_mlp_norm_keeps_the_local_checkpoint_name():
+    """Under Transformer Engine the MLP's input norm is a parameter of TE's fused norm + linear
+    (``mlp.linear_fc1.layer_norm_weight``); the layer's key map (``model.FUSED_NORM_KEYS``) must give it
+    the local spec's checkpoint name, so that a checkpoint moves between the specs (GPU training, CPU
+    tools, the export's mapping). Mapped as megatron-core maps it (TransformerLayer's
+    apply_prefix_mapping, then TransformerBlock's layer prefix), against the local model's real key."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing.utils import apply_prefix_mapping, replace_prefix_for_sharding
+
+    from fbt_megatron.model import FUSED_NORM_KEYS
+
+    local = build().sharded_state_dict()
+    layer = "decoder.layers.0."
+    norm = local[f"{layer}pre_mlp_layernorm.weight"]  # its checkpoint key: the layers' stacked tensor's
+    te = {f"{layer}mlp.linear_fc1.layer_norm_weight": dataclasses.replace(norm, key=f"{layer}mlp.linear_fc1.layer_norm_weight")}
+    apply_prefix_mapping(te, {f"{layer}{k}": f"{layer}{v}" for k, v in FUSED_NORM_KEYS.items()})
+    replace_prefix_for_sharding(te, layer, "decoder.layers.")
+    assert [t.key for t in te.values()] == [norm.key] == ["decoder.layers.pre_mlp_layernorm.weight"]

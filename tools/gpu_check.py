@@ -18,7 +18,10 @@
 4. with 2+ GPUs, through the training entry point (NCCL) against 1 GPU: TP=2 with sequence
    parallelism (Adam, and NorMuon: its owner gather and scatter), FP32; CP=2 in BF16 (TE attention,
    its communication type);
-5. a summary table. Exit code: 0 all that ran passed, 1 a check failed, 2 megatron-core missing; a
+5. with ``--slurm-nodes 2`` (from a login node): a 2-node job through slurm/train.sbatch at TP 2 + SP,
+   the time-limit signal mid-run: the training checkpoints and exits 0, the job requeues itself,
+   the next attempt resumes there and finishes; NCCL's transport between the nodes from its log;
+6. a summary table. Exit code: 0 all that ran passed, 1 a check failed, 2 megatron-core missing; a
    run with skipped checks says what was not checked in its last line.
 Without a GPU (this CPU machine) the BF16-against-FP32 check runs on the CPU and the GPU sections
 say they are skipped and why.
@@ -33,6 +36,9 @@ import os
 # Transformer Engine runs FP32 GEMMs in TF32 whatever torch's flags say; this environment variable makes
 # cuBLAS use full FP32 (BF16/FP8 GEMMs are unaffected). Read when CUDA starts: set before importing torch.
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+# One hardware queue per GPU, as the job script sets it for TP > 1 or CP > 1 (the paper's recipes, the
+# long-context one): the speed and offloading rows are timed as those jobs run (fbt_megatron/slurm/script.py).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 import argparse
 import contextlib
@@ -114,7 +120,7 @@ def transformer_engine_version():
 def environment() -> int:
     print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda})")
     if not torch.cuda.is_available():
-        print("no GPU: CUDA is not available to this Python (on a GPU node: use an NGC PyTorch container, or a venv "
+        print("no GPU: CUDA is not available to this Python (on a GPU node: run in the project image, docs/gpu.md#the-container, or a venv "
               "with CUDA torch); the checks that need one are skipped below, the rest run on the CPU")
     else:
         print(f"{torch.cuda.device_count()} GPU(s)")
@@ -132,7 +138,7 @@ def environment() -> int:
     te_version, error = transformer_engine_version()
     TE = te_version is not None
     if not TE:
-        how = "an NGC PyTorch container (nvcr.io/nvidia/pytorch) ships it"
+        how = "the project's image ships it: packaging/container/Dockerfile, docs/gpu.md#the-container"
         print(f"no Transformer Engine ({type(error).__name__}: {error}): the local spec runs every check; "
               f"the TE and FP8 checks are skipped ({how})")
     else:
@@ -196,7 +202,14 @@ def losses_and_grads(model, batch, k):
 
 def copy_weights(weights: dict, model) -> int:
     """Load the local spec's weights into ``model``; names must match except TE's _extra_state (FP8
-    metadata). Returns the number of parameter tensors, every one checked to be equal to its source."""
+    metadata) and the MLP's input norm, a parameter of TE's fused norm + linear (``model.FUSED_NORM_KEYS``,
+    the names checkpoints give it). Returns the number of parameter tensors, every one checked to be
+    equal to its source."""
+    from fbt_megatron.model import FUSED_NORM_KEYS
+
+    if any(n.endswith("mlp.linear_fc1.layer_norm_weight") for n, _ in model.named_parameters()):
+        for te_name, local_name in FUSED_NORM_KEYS.items():
+            weights = {k.replace(local_name, te_name): v for k, v in weights.items()}
     empty = {n for n, p in model.named_parameters() if not p.numel()}  # bias=False in some TE versions
     missing, unexpected = model.load_state_dict(weights, strict=False)
     bad = sorted(unexpected) + [k for k in missing if not k.endswith("_extra_state") and k not in empty]
@@ -628,7 +641,66 @@ def multi_gpu(parent: Path):
                    "both in the log", fused and comm)
 
 
-# ---------------------------------------------------------------- 5. summary
+# ---------------------------------------------------------------- 5. a job through the real script
+def wait_for(condition, what: str, timeout: float):
+    deadline = time.time() + timeout
+    while not condition():
+        if time.time() > deadline:
+            raise RuntimeError(f"{what} within {timeout:.0f} s")
+        time.sleep(2)
+
+
+def slurm_job(parent: Path, nodes: int, submit_args: list):
+    """``recipes/tiny_cpu.yaml`` at TP 2 + SP on ``nodes`` nodes through ``python -m fbt_megatron.slurm
+    submit`` and slurm/train.sbatch (the image check, torchrun, NCCL with NCCL_DEBUG=INFO); mid-run the
+    time-limit signal (USR1 to the batch shell, as ``--signal=B:USR1@S`` sends it): the training must
+    checkpoint and exit 0, the job requeue itself and the next attempt resume there and finish."""
+    import json
+    import re
+
+    from fbt_megatron.metrics import read_metrics
+
+    workdir = Path(tempfile.mkdtemp(prefix="gpu_check-slurm-", dir=parent))
+    steps, runs, logs = 60, workdir / "runs", workdir / "logs"
+    command = [sys.executable, "-m", "fbt_megatron.slurm", "submit", "--recipe", "recipes/tiny_cpu.yaml", "--nodes", nodes,
+               "--gpus-per-node", torch.cuda.device_count(), "--time", "00:30:00", "--runs-root", runs, "--log-dir", logs,
+               "--env", "NCCL_DEBUG=INFO", *submit_args, "--", "--train-iters", steps, "--save-interval", 20,
+               "--log-interval", 1, "--eval-iters", 0, "--tensorboard", "false", *SP]
+    print(f"\n== a {nodes}-node job through slurm/train.sbatch, the time-limit signal mid-run; in {workdir}")
+    print("$ " + " ".join(shlex.quote(str(x)) for x in command), flush=True)
+    submitted = subprocess.run([str(x) for x in command], cwd=REPO, capture_output=True, text=True, timeout=300)
+    print(submitted.stdout + submitted.stderr)
+    jobs = re.findall(r": job (\d+)", submitted.stdout)
+    if submitted.returncode or not jobs:
+        raise RuntimeError(f"submit failed (exit {submitted.returncode})")
+    job, run = jobs[-1], runs / "tiny_cpu"
+    attempts = lambda: [json.loads(x) for x in (run / "jobs.jsonl").read_text().splitlines()] if (run / "jobs.jsonl").exists() else []  # noqa: E731
+    last_step = lambda: max([r["step"] for r in read_metrics(run)], default=0)  # noqa: E731
+    wait_for(lambda: last_step() >= 10, f"job {job} logged no 10 steps", 1800)  # the queue, the image, the rendezvous
+    signalled_at, sent = last_step(), time.time()
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    wait_for(lambda: attempts() and "ended" in attempts()[0], f"job {job}'s first attempt did not end", 900)
+    stop = attempts()[0]
+    stop_seconds = time.time() - sent
+    wait_for(lambda: len(attempts()) == 2 and "ended" in attempts()[1], f"job {job} was not requeued and finished", 1800)
+    first, second = attempts()
+    log = (logs / f"tiny_cpu-{job}.out").read_text()
+    manifest = (run / f"iter_{first['end_step']:07d}" / "files.json").is_file()
+    resumed = second["start_step"] == first["end_step"] >= signalled_at and second["end_step"] == steps
+    record(f"{nodes}-node job: the time-limit stop", f"exit {first['exit_code']}, {first['ended']}/{first['next']}, "
+           f"checkpoint at step {first['end_step']} complete: {manifest}, {stop_seconds:.0f} s after the signal"[:100],
+           "exit 0, requeued, manifest", first["exit_code"] == 0 and first["next"] == "requeued" and manifest)
+    record(f"{nodes}-node job: the requeued attempt", f"resumed at step {second['start_step']}, ended {second['ended']} at "
+           f"{second['end_step']}", f"resumes there, finishes {steps}", resumed and second["ended"] == "finished")
+    world = nodes * torch.cuda.device_count()
+    record(f"{nodes}-node job: every rank in the run", f"'world {world} ' in the banner: {f'world {world} ' in log}",
+           f"{world} ranks", f"world {world} " in log)
+    transport = "NET/IB" if "NET/IB" in log else "NET/Socket" if "NET/Socket" in log else "not in the log"
+    record(f"{nodes}-node job: NCCL's transport between nodes", transport, "NET/IB on an InfiniBand cluster")
+    print(f"first attempt: {stop}; second: {second}")
+
+
+# ---------------------------------------------------------------- 6. summary
 def summary() -> int:
     header = ("check", "value", "tolerance / goal", "result")
     width = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
@@ -662,6 +734,10 @@ def main(argv=None) -> int:
     parser.add_argument("--perf-steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--offload-seq-length", type=int, default=32768, help="sequence of the offloading comparison")
     parser.add_argument("--kernel-seq-length", type=int, default=4096, help="sequence of the attention kernels' comparison")
+    parser.add_argument("--slurm-nodes", type=int, default=0, help="submit a job of this many nodes through slurm/train.sbatch "
+                        "and send it the time-limit signal mid-run (0: skip; run from a login node of the cluster)")
+    parser.add_argument("--slurm-args", default="", help="more flags of `python -m fbt_megatron.slurm submit` for that job "
+                        "(quoted: --partition, --account, --container-image IMAGE, ...)")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs", help="a new gpu_check-* folder here holds the TP runs")
     args = parser.parse_args(argv)
 
@@ -676,7 +752,7 @@ def main(argv=None) -> int:
     platform.init_distributed()  # a one-process NCCL (on CPU: gloo) group + megatron parallel state (TP=1) + seeds
     guarded("TE vs local equivalence (FP32/BF16/FP8)", equivalence)
     if DEVICE != "cuda" or not TE:
-        skip("attention kernels: TE BF16 vs local BF16 at fbt-1b's heads and window", NO_GPU if DEVICE != "cuda" else NO_TE)
+        skip("attention kernels: TE BF16 vs local BF16 at the fbt-1b heads and window", NO_GPU if DEVICE != "cuda" else NO_TE)
     else:
         guarded("attention kernels (TE BF16 vs local BF16)", attention_kernels, args.kernel_seq_length)
     if args.skip_perf:
@@ -695,6 +771,12 @@ def main(argv=None) -> int:
         record("multi-GPU", "skipped (--skip-multi-gpu)", "-", "SKIP")
     else:
         guarded("multi-GPU vs 1 GPU (entry point, NCCL)", multi_gpu, args.workdir.resolve())
+    if DEVICE != "cuda" or args.slurm_nodes < 1:
+        skip("multi-node job through slurm/train.sbatch with the time-limit signal",
+             NO_GPU if DEVICE != "cuda" else "give --slurm-nodes 2 (and --slurm-args) on a Slurm cluster")
+    else:
+        guarded("multi-node job through slurm/train.sbatch", slurm_job, args.workdir.resolve(), args.slurm_nodes,
+                shlex.split(args.slurm_args))
     code = summary()
     torch.distributed.destroy_process_group()
     return code
