@@ -28,6 +28,12 @@ With ``--async-save`` the files are written by a background process while traini
 (megatron-core's async save, ``BackgroundSaves``); the manifest, the rename and the tracker follow
 at a later step boundary, once every rank's files are written, so the atomicity is the same.
 
+A save the run folder cannot take ends the run with one ``StorageError`` (exit code 2, not retried
+by a Slurm job) naming the checkpoint, the fix and the checkpoint to resume from, and leaves the
+complete checkpoints as they were: before writing, a folder with less room than its newest
+checkpoint takes is refused; a write that fails where the folder then cannot take a small file
+(full, read-only: ``folders.write_problem``) has its unfinished ``.tmp`` folder removed.
+
 Loading never unpickles arbitrary objects: the torch_dist metadata file is checked by a
 restricted unpickler first, and every other item is read by ``torch.load(weights_only=True)``.
 """
@@ -38,13 +44,14 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +60,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fbt_megatron import compat
-from fbt_megatron.errors import CheckpointError
+from fbt_megatron.errors import CheckpointError, StorageError
+from fbt_megatron.folders import unwritable, write_problem
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "files.json"
@@ -64,6 +72,10 @@ _ITER = re.compile(r"^iter_(\d{7})$")
 _RANK_FILE = re.compile(r"^__(\d+)_")  # torch_dist's per-rank data files: __{rank}_{n}.distcp
 # The distributed optimizer's torch-Adam path (no Apex/TE) only supports this format.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+OTHER_SAVE = "choose another --save"  # the alternative to freeing the run folder's file system
+# megatron-core logs a checkpoint writer's failure that the save then raises: said once, by the raise
+logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").addFilter(
+    lambda record: not record.getMessage().startswith("Local process "))
 
 
 def checkpoint_dir(folder, iteration: int) -> Path:
@@ -189,9 +201,9 @@ def _body_hash(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _write_manifest(path: Path) -> None:
-    """Collective: every rank hashes the data files it wrote (rank 0 the rest), rank 0 writes the
-    manifest atomically."""
+def _hashed_files(path: Path) -> Optional[dict]:
+    """Collective: every rank hashes the data files it wrote (rank 0 the rest); rank 0 gets them all
+    ({name: {"size", "sha256"}}), the others None."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def writer(name):
@@ -202,15 +214,18 @@ def _write_manifest(path: Path) -> None:
     mine = {n: {"size": (path / n).stat().st_size, "sha256": _sha256(path / n)} for n in names if writer(n) == rank}
     parts = [None] * world if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
-    if rank == 0:
-        files = {n: d for part in parts for n, d in part.items()}
-        body = {"format": _MANIFEST_FORMAT, "version": 1, "files": dict(sorted(files.items()))}
-        tmp = path / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({**body, "sha256": _body_hash(body)}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / MANIFEST)
+    return {n: d for part in parts for n, d in part.items()} if rank == 0 else None
+
+
+def _write_manifest(path: Path, files: dict) -> None:
+    """The manifest of checkpoint folder ``path`` (``files``: ``_hashed_files``), written atomically."""
+    body = {"format": _MANIFEST_FORMAT, "version": 1, "files": dict(sorted(files.items()))}
+    tmp = path / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({**body, "sha256": _body_hash(body)}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MANIFEST)
 
 
 def _read_manifest(path: Path):
@@ -244,12 +259,18 @@ class BackgroundSaves:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.queue = AsyncCallsQueue()
+        self.writing: Optional[tuple] = None  # (run folder, .tmp folder) of the checkpoint being written
 
     def poll(self) -> None:
-        self.queue.maybe_finalize_async_calls(blocking=False)
+        self._finalize(blocking=False)
 
     def wait(self) -> None:
-        self.queue.maybe_finalize_async_calls(blocking=True)
+        self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> None:
+        with _written(*self.writing) if self.writing else contextlib.nullcontext():
+            if self.queue.maybe_finalize_async_calls(blocking=blocking):
+                self.writing = None
 
 
 def save(folder, iteration: int, model, optimizer, scheduler, extra: dict, keep_last: int = 0,
@@ -267,20 +288,89 @@ def save(folder, iteration: int, model, optimizer, scheduler, extra: dict, keep_
     tmp = final.with_name(final.name + ".tmp")
     if background is not None:
         background.wait()
-    if dist.get_rank() == 0:
-        remove_stale(folder)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    _start(folder, tmp)
     state = {**_state(model, optimizer, scheduler, extra, loading=False), _MANIFEST_KEY: MANIFEST}
     finish = functools.partial(_finish, folder, iteration, tmp, keep_last)
-    if background is None:
-        dist_checkpointing.save(state, str(tmp))
-        finish()
-    else:
-        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
-        request.add_finalize_fn(finish)  # after megatron-core's own (the torch_dist metadata)
-        background.queue.schedule_async_request(request)
+    with _written(folder, tmp):
+        if background is None:
+            dist_checkpointing.save(state, str(tmp))
+            finish()
+        else:
+            request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+            request.add_finalize_fn(finish)  # after megatron-core's own (the torch_dist metadata)
+            background.queue.schedule_async_request(request)
+            background.writing = (folder, tmp)
     return final
+
+
+def _agreed(problem: Optional[str]) -> Optional[str]:
+    """Rank 0's ``problem`` on every rank (collective)."""
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _start(folder: Path, tmp: Path) -> None:
+    """Collective, before a save writes: rank 0 removes the stale ``.tmp`` folders, checks the room
+    (``_room_problem``) and creates ``tmp``; a problem there is one StorageError on every rank."""
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            remove_stale(folder)
+            problem = _room_problem(folder)
+            if problem is None:
+                tmp.mkdir(parents=True)
+        except OSError as e:
+            problem = unwritable(e, folder, OTHER_SAVE)
+    problem = _agreed(problem)
+    if problem:
+        raise StorageError(_not_saved(folder, tmp, problem))
+
+
+def _room_problem(folder: Path) -> Optional[str]:
+    """Why the run folder's file system has no room for another checkpoint as large as its newest
+    one, in words; None when it has (or there is none yet to measure)."""
+    newest = latest_iteration(folder)
+    if newest is None:
+        return None
+    path = checkpoint_dir(folder, newest)
+    files, _ = _read_manifest(path)
+    size = sum(s for s, _ in files.values()) if files else sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    free = shutil.disk_usage(folder).free
+    if free >= size:
+        return None
+    return (f"the file system of {folder} has {free / 2**20:,.1f} MiB free, less than its newest checkpoint takes "
+            f"({size / 2**20:,.1f} MiB): free space on it or {OTHER_SAVE}")
+
+
+def _not_saved(folder: Path, tmp: Path, problem: str) -> str:
+    """The line of a save that failed with ``problem``: the checkpoint, the fix, where to resume from."""
+    newest = latest_iteration(folder)
+    resume = (f"--load {folder} resumes from its newest complete checkpoint, {checkpoint_dir(folder, newest).name}"
+              if newest is not None else "no checkpoint of this run folder is complete yet")
+    return f"checkpoint {tmp.with_suffix('')} not saved: {problem}; {resume}"
+
+
+@contextlib.contextmanager
+def _written(folder: Path, tmp: Path) -> Iterator[None]:
+    """The writing of checkpoint ``tmp`` into run folder ``folder``. A StorageError (every rank
+    has it) stands; another failure where the folder then cannot take a small file
+    (``folders.write_problem``: full, read-only) becomes one, once every rank has looked; rank 0
+    then removes ``tmp``. Any other failure passes as it is."""
+    try:
+        yield
+    except StorageError:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except (Exception, CheckpointException):  # torch's CheckpointException is a BaseException
+        problem = write_problem(folder, OTHER_SAVE)
+        if problem is None:
+            raise
+        dist.barrier()  # every rank looked before rank 0 frees the space
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise StorageError(_not_saved(folder, tmp, problem)) from None
 
 
 def remove_stale(folder: Path) -> list:
@@ -297,27 +387,40 @@ def remove_stale(folder: Path) -> list:
 
 
 def _finish(folder: Path, iteration: int, tmp: Path, keep_last: int) -> None:
-    """Collective, once every rank's files are in ``tmp``: the manifest, then (rank 0) the rename
-    into place, the tracker and retention."""
-    final = checkpoint_dir(folder, iteration)
+    """Collective, once every rank's files are in ``tmp``: their hashes, then (rank 0) the manifest,
+    the rename into place, the tracker and retention; a file rank 0 cannot write there is one
+    StorageError on every rank."""
     dist.barrier()
-    _write_manifest(tmp)
-    dist.barrier()
+    files = _hashed_files(tmp)
+    problem = None
     if dist.get_rank() == 0:
-        if final.exists():  # the same iteration saved again: keep the old one until replaced
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        tracker_tmp = folder / (TRACKER + ".tmp")
-        tracker_tmp.write_text(f"{iteration}\n")
-        os.replace(tracker_tmp, folder / TRACKER)
-        if keep_last:
-            retain(folder, iteration, keep_last)
-    dist.barrier()
+        try:
+            _write_manifest(tmp, files)
+            _put_in_place(folder, iteration, tmp)
+            if keep_last:
+                retain(folder, iteration, keep_last)
+        except OSError as e:
+            problem = unwritable(e, folder, OTHER_SAVE)
+    problem = _agreed(problem)
+    if problem:
+        raise StorageError(_not_saved(folder, tmp, problem))
+
+
+def _put_in_place(folder: Path, iteration: int, tmp: Path) -> None:
+    """The complete checkpoint ``tmp`` renamed to its name (replacing one of the same iteration once
+    it is there), then tracked."""
+    final = checkpoint_dir(folder, iteration)
+    if final.exists():  # the same iteration saved again: keep the old one until replaced
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    tracker_tmp = folder / (TRACKER + ".tmp")
+    tracker_tmp.write_text(f"{iteration}\n")
+    os.replace(tracker_tmp, folder / TRACKER)
 
 
 def retain(folder, newest: int, keep: int) -> list:

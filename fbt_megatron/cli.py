@@ -8,6 +8,8 @@ import sys
 import warnings
 from typing import Callable, NoReturn
 
+from fbt_megatron.folders import STORAGE_ERRNOS, unwritable
+
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """"1 document", "2,048 documents" (``nouns``: an irregular plural)."""
@@ -25,20 +27,38 @@ def run_cli(main: Callable[[], int | None]) -> NoReturn:
     """Run `main` and exit with its return code, once the torch.distributed process group it
     started (training, conversion, loading a run) is destroyed. A ValueError or FileNotFoundError
     (bad input: a missing file, a malformed line, a bad flag value) becomes ``error: <message>`` on
-    stderr and exit code 2, without a traceback. Under torchrun/srun every rank finds the same bad
-    input; only rank 0 says so. A process group that was there before (a caller's) is left as it is."""
+    stderr and exit code 2, without a traceback; so does an OSError of the environment that no
+    caller said better (``STORAGE_ERRNOS``: a full disk, a read-only file system). Under
+    torchrun/srun every rank finds the same bad input; only rank 0 says so. A process group that
+    was there before (a caller's) is left as it is."""
     started_here = not _process_group()
     try:
         code = main()
     except (ValueError, FileNotFoundError) as e:
-        line = "error: " + " ".join(str(e).split())
-        if os.environ.get("RANK", "0") == "0":
-            print(line, file=sys.stderr)
-        _tell_torchrun(line)
-        sys.exit(2)
+        _bad_input(str(e))
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        _bad_input(_storage_message(e))
     if started_here and _process_group():
         sys.modules["torch.distributed"].destroy_process_group()
     sys.exit(code)
+
+
+def _bad_input(message: str) -> NoReturn:
+    """End with ``error: <message>`` on one line (rank 0 says it) and exit code 2."""
+    line = "error: " + " ".join(message.split())
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    _tell_torchrun(line)
+    sys.exit(2)
+
+
+def _storage_message(e: OSError) -> str:
+    """A write the file system refused, said with its folder and the fix (``folders.unwritable``)."""
+    if e.filename:
+        return unwritable(e, os.path.dirname(os.path.abspath(e.filename)), "write elsewhere") + f" (writing {e.filename})"
+    return unwritable(e, "a folder this command writes in", "write elsewhere")
 
 
 def _tell_torchrun(line: str) -> None:

@@ -18,6 +18,12 @@ class ConversionError(ValueError):
     """A checkpoint or folder that cannot be converted; the message says why in one line."""
 
 
+class StorageError(ValueError):
+    """A folder the run must write in cannot take it (a full disk, a read-only file system, no
+    permission, a path through a file): the environment, not the code, so one line naming the folder
+    and the fix, exit code 2 (a Slurm job does not retry it)."""
+
+
 class BadStepsError(ValueError):
     """Too many consecutive bad steps: the run stops (one ``error:`` line, exit code 2)."""
 

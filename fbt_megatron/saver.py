@@ -8,7 +8,9 @@ then the run ends after an exit interval or a stop, or with ``BadStepsError`` on
 in a row were bad (its last good checkpoint intact). With ``--async-save`` the checkpoints are
 written in the background, polled every step and awaited before the run ends (``wait``). The end
 is recorded in ``<save>/exit_status.json`` and said in one line, with what saving cost (``finish``).
-Before the run starts, ``check_save`` refuses a ``--save`` folder that holds another run.
+Before the run starts, ``check_save`` refuses a ``--save`` folder that cannot be written or holds
+another run; a save that fails because the folder cannot take it (``checkpointing.save``) ends the
+run the same way, in one line.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Optional
 from fbt_megatron import checkpointing
 from fbt_megatron.cli import plural
 from fbt_megatron.errors import RecipeError
+from fbt_megatron.folders import check_writable
 from fbt_megatron.metrics import METRICS, read_metrics
 from fbt_megatron.recipe import Recipe
 from fbt_megatron.stopping import STATUS, stop_line, write_status
@@ -99,11 +102,15 @@ def other_run(folder) -> Optional[str]:
 
 
 def check_save(recipe: Recipe) -> None:
-    """Refuse a ``--save`` folder that holds another run this one would overwrite: a run that does not
-    resume it (``--load`` is another folder or unset) starts from scratch there. ``--load X --save X``
-    (a resume, a requeued Slurm job) and ``--overwrite-save`` pass."""
+    """Refuse a ``--save`` folder this process cannot write in now (a file, a full disk, a read-only
+    file system: ``folders.check_writable``), or that holds another run this one would overwrite: a
+    run that does not resume it (``--load`` is another folder or unset) starts from scratch there.
+    ``--load X --save X`` (a resume, a requeued Slurm job) and ``--overwrite-save`` pass the latter."""
     c = recipe.checkpoint
-    if c.save is None or c.overwrite_save or (c.load is not None and Path(c.load).resolve() == Path(c.save).resolve()):
+    if c.save is None:
+        return
+    check_writable(c.save, "--save")
+    if c.overwrite_save or (c.load is not None and Path(c.load).resolve() == Path(c.save).resolve()):
         return
     held = Path(c.save).is_dir() and other_run(c.save)
     if held:

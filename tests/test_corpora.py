@@ -1,12 +1,15 @@
 """Corpora at scale (issue 32): the formats corpora ship in read alike, bad records cost one record,
 shards merge into what one process writes, memory is bounded (a bounded tokenizer sample, a bounded
-number of documents in flight), progress lines in a batch log."""
+number of documents in flight), progress lines in a batch log. Issue 44: a damaged compressed file
+is one line naming it, a DatasetDict is read by its train split, a shard made from other inputs or
+with another tokenizer is redone."""
 
 import contextlib
 import gzip
 import io
 import json
 import os
+import re
 import sysconfig
 from pathlib import Path
 
@@ -14,10 +17,10 @@ import numpy
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from fbt_megatron.cli import run_cli
+from fbt_megatron.cli import plural, run_cli
 from fbt_megatron.data import preprocess as preprocess_module
 from fbt_megatron.data.corpus import load_corpus, prepare_corpus
-from fbt_megatron.data.documents import BadRecords, iter_documents, progress
+from fbt_megatron.data.documents import BadRecords, iter_documents, progress, sources
 from fbt_megatron.data.preprocess import preprocess
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.data.tokenizer_training import Sample, train_tokenizer
@@ -238,6 +241,123 @@ def test_shards_merge_into_what_one_process_writes_and_a_rerun_skips_complete_sh
     assert code == 2 and "10 shards of 9 input files: use at most 9 shards" in err
     code, out, err = in_process(merge_corpus, "--output-prefix", tmp_path / "x", "--shards", 2)
     assert code == 2 and "x_shard-00000-of-00002.bin/.idx not there" in err
+
+
+def test_a_damaged_compressed_file_is_one_line_naming_it(tmp_path, tokenizer):
+    """.gz and .zst files cut short, with a wrong checksum, with bytes after the last zstd frame, or
+    not compressed at all: one line naming the file, about where it breaks and that
+    --skip-bad-records does not cover it, exit code 2, nothing written (with or without the flag).
+    The same files whole, and a .zst of two frames, read as the original."""
+    import zstandard
+
+    import preprocess_data
+
+    data = jsonl(TEXTS)
+    gz, zst = gzip.compress(data), zstandard.ZstdCompressor().compress(data)
+    crc = gz[:-8] + bytes(b ^ 0xFF for b in gz[-8:-4]) + gz[-4:]  # the trailer's CRC-32 of the data, wrong
+    damaged = {  # name: (content, the reason given)
+        "cut.jsonl.gz": (gz[:len(gz) // 2], "Compressed file ended before the end-of-stream marker was reached"),
+        "crc.jsonl.gz": (crc, r"CRC check failed 0x[0-9a-f]+ != 0x[0-9a-f]+"),
+        "notgz.txt.gz": (b"plain text\n", r"Not a gzipped file \(b'pl'\)"),
+        "cut.jsonl.zst": (zst[:len(zst) // 2], "the file ends inside a zstd frame: it was cut short"),
+        "tail.jsonl.zst": (zst + b"trailing bytes", "zstd decompressor error: Unknown frame descriptor"),
+    }
+    for name, (content, reason) in damaged.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        for skip in ([], ["--skip-bad-records", "100%"]):
+            code, out, err = in_process(preprocess_data, "--input", path, "--tokenizer", tokenizer.path,
+                                        "--output-prefix", tmp_path / "out", "--workers", 1, *skip)
+            assert code == 2 and re.fullmatch(
+                rf"error: {re.escape(str(path))}: a damaged (gzip|zstd) file \(({reason})\) near byte [\d,]+ of "
+                rf"{len(content):,}: replace it or leave it out of the inputs \(--skip-bad-records skips bad records of a "
+                rf"readable file, not a damaged compressed one\)\n", err), (name, err)
+        path.unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    frames = zstandard.ZstdCompressor().compress(jsonl(TEXTS[:5])) + zstandard.ZstdCompressor().compress(jsonl(TEXTS[5:]))
+    for name, content in (("whole.jsonl.gz", gz), ("whole.jsonl.zst", zst), ("frames.jsonl.zst", frames)):
+        (tmp_path / name).write_bytes(content)
+        assert [d.text for d in iter_documents([str(tmp_path / name)])] == TEXTS, name
+
+
+def test_a_dataset_dict_is_read_by_its_train_split(tmp_path, tokenizer):
+    """A DatasetDict saved with train and test splits gives its train split only (alone, in a folder,
+    as a shard's unit); one without a train split is one line listing its splits, and a split's own
+    folder reads that split."""
+    import datasets
+
+    import preprocess_data
+
+    train, test = TEXTS[:20], TEXTS[20:]
+    saved = tmp_path / "corpora" / "dict"
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": train}),
+                         test=datasets.Dataset.from_dict({"text": test})).save_to_disk(str(saved))
+    assert [d.text for d in iter_documents([str(saved)])] == train
+    assert [d.text for d in iter_documents([str(tmp_path / "corpora")])] == train
+    [unit] = sources([str(saved)])
+    assert unit.files == [str(p) for p in sorted((saved / "train").glob("*.arrow"))]
+    code, out, err = in_process(preprocess_data, "--input", saved, "--tokenizer", tokenizer.path,
+                                "--output-prefix", tmp_path / "out", "--workers", 1)
+    assert code == 0 and f"{plural(len(train), 'document')}," in out, err
+    no_train = tmp_path / "eval"
+    datasets.DatasetDict(validation=datasets.Dataset.from_dict({"text": test}),
+                         test=datasets.Dataset.from_dict({"text": train})).save_to_disk(str(no_train))
+    code, out, err = in_process(preprocess_data, "--input", no_train, "--tokenizer", tokenizer.path,
+                                "--output-prefix", tmp_path / "eval_out", "--workers", 1)
+    assert (code, err) == (2, f"error: {no_train}: a DatasetDict without a 'train' split (its splits: validation, test): "
+                              f"give the folder of the split to read, e.g. {no_train}/validation\n")
+    assert [d.text for d in iter_documents([str(no_train / "validation")])] == test
+
+
+def test_a_shard_made_from_other_inputs_or_with_another_tokenizer_is_redone(formats, tokenizer, tmp_path):
+    """Shards record what made them (``P_shard-…json``, written after their .bin/.idx): a rerun with
+    the same inputs and tokenizer reuses them untouched; after the tokenizer changes, an input file
+    changes or the record is gone, the shards concerned are redone, each with one line saying why,
+    and equal what a fresh preparation writes."""
+    import shutil
+
+    import preprocess_data
+
+    inputs = tmp_path / "inputs"
+    shutil.copytree(formats["jsonl"], inputs)  # part-0 … part-2
+    other = load_tokenizer(train_tokenizer([str(p) for p in SOURCES[:3]], str(tmp_path / "other.model"), 400,
+                                           show_progress=False))
+
+    def prepare(prefix, index, tok=tokenizer):
+        code, out, err = in_process(preprocess_data, "--input", inputs, "--tokenizer", tok.path, "--output-prefix",
+                                    prefix, "--shard", f"{index}/3", "--workers", 1)
+        assert code == 0, err
+        return out
+
+    def files(prefix, index):
+        shard = f"{prefix}_shard-{index:05d}-of-00003"
+        return [Path(shard + ext).read_bytes() for ext in (".bin", ".idx")]
+
+    prefix = tmp_path / "web"
+    assert not any("redone" in prepare(prefix, i) for i in range(3))
+    record = json.loads(Path(f"{prefix}_shard-00001-of-00003.json").read_text())
+    assert record["tokenizer_sha256"] == tokenizer.sha256 and [p for p, *_ in record["inputs"]] == [str(inputs / "part-1.jsonl")]
+    stamps = [Path(f"{prefix}_shard-{i:05d}-of-00003.bin").stat().st_mtime_ns for i in range(3)]
+    assert all("(complete already, nothing to do)" in prepare(prefix, i) for i in range(3))
+    assert [Path(f"{prefix}_shard-{i:05d}-of-00003.bin").stat().st_mtime_ns for i in range(3)] == stamps
+
+    out = prepare(prefix, 0, other)
+    assert out.startswith("shard 0: redone, its tokenizer changed\n") and "nothing to do" not in out
+    prepare(tmp_path / "fresh_other", 0, other)
+    assert files(prefix, 0) == files(tmp_path / "fresh_other", 0)
+    assert "nothing to do" in prepare(prefix, 0, other)
+
+    (inputs / "part-2.jsonl").write_bytes(jsonl(TEXTS[:3]))
+    out = prepare(prefix, 2)
+    assert out.startswith(f"shard 2: redone, its input {inputs / 'part-2.jsonl'} changed (size or modification time)\n")
+    prepare(tmp_path / "fresh", 2)
+    assert files(prefix, 2) == files(tmp_path / "fresh", 2)
+
+    os.remove(f"{prefix}_shard-00001-of-00003.json")  # shards of before the records, or a crash before it
+    assert prepare(prefix, 1).startswith("shard 1: redone, it has no record of what made it "
+                                         "(web_shard-00001-of-00003.json)\n")
+    assert all(Path(f"{prefix}_shard-{i:05d}-of-00003.bin").stat().st_mtime_ns != stamps[i] for i in range(3))
+    assert all("nothing to do" in prepare(prefix, i, other if i == 0 else tokenizer) for i in range(3))
 
 
 def test_a_batch_log_gets_periodic_status_lines(capsys):

@@ -4,7 +4,9 @@ Formats, told by name:
   * ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``: one JSON record a line, the text under `key`;
   * ``.parquet``: the `key` column (pyarrow), read a batch of rows at a time;
   * a folder saved by ``datasets.save_to_disk`` (``state.json`` beside its ``.arrow`` files, or a
-    ``dataset_dict.json`` over split folders): the `key` column, read with pyarrow (offline);
+    ``dataset_dict.json`` over split folders, of which the ``train`` split is read: its others are
+    held-out data; a split's own folder reads that split): the `key` column, read with pyarrow
+    (offline);
   * any other file (``.txt``, ``.py``, ..., also ``.gz``/``.zst`` compressed): UTF-8 text with its
     line endings kept exactly, split into documents by `split` (``SPLITS``): ``file`` one
     document, ``blank-line`` one per paragraph (lines between blank lines), ``line`` one per line
@@ -19,6 +21,9 @@ A bad record (invalid UTF-8, malformed JSON, a missing key, a value that is not 
 error naming its file and line (and, for UTF-8, the byte's column), unless ``BadRecords`` was
 given a limit (``--skip-bad-records N`` or ``P%``): then it is skipped, counted by kind and named
 in a ``warning:`` line (the first ten), and the read fails once more than the limit were skipped.
+A damaged compressed file (a bad CRC or frame, a file cut short) is an error naming the file and
+about where in it, whatever the limit: what follows the damage is lost in an unknown number of
+records, so the file is to be replaced or left out, not read in part.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -46,6 +52,7 @@ SPLITS = ("file", "blank-line", "line")  # how a text file is split into documen
 BAD_KINDS = ("invalid UTF-8", "malformed JSON", "missing key", "not a string")
 DATASET_STATE = "state.json"  # what datasets.save_to_disk writes beside a dataset's arrow files
 DATASET_DICT = "dataset_dict.json"
+DATASET_DICT_SPLIT = "train"  # the split of a DatasetDict that is read
 INPUTS_HELP = ("files, folders or glob patterns of .jsonl(.gz/.zst), .parquet, datasets.save_to_disk folders "
                "or text (.txt, .gz, ...)")  # what the tools' --input takes
 SHOWN_BAD = 10  # skipped records named one line each; the rest only counted
@@ -70,11 +77,14 @@ class Source:
     name: str
 
     @property
+    def files(self) -> list[str]:
+        """Its files on disk: the file, or a saved dataset's arrow files (``_arrow_files``)."""
+        return _arrow_files(self.path) if os.path.isdir(self.path) else [self.path]
+
+    @property
     def size(self) -> int:
         """Bytes on disk (what shards are balanced by)."""
-        if os.path.isdir(self.path):
-            return sum(os.path.getsize(f) for f in _arrow_files(self.path))
-        return os.path.getsize(self.path)
+        return sum(os.path.getsize(f) for f in self.files)
 
 
 class BadRecords:
@@ -196,19 +206,70 @@ def _needs(module: str, package: str, path: str):
 
 @contextlib.contextmanager
 def _open_binary(path: str, reading: Reading) -> Iterator[io.BufferedIOBase]:
-    """The file's bytes, decompressed by its suffix (.gz, .zst); `reading` follows its offset on disk."""
+    """The file's bytes, decompressed by its suffix (.gz, .zst); `reading` follows its offset on disk.
+    A damaged compressed file is a ValueError naming it (``_damaged``)."""
     zstandard = _needs("zstandard", "zstandard", path) if path.endswith(".zst") else None
     with open(path, "rb") as raw:
         reading.current = raw.tell
         if path.endswith(".gz"):
-            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
-                yield f
+            try:
+                with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                    yield f
+            except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+                raise ValueError(_damaged(path, "gzip", raw, e)) from None
         elif zstandard is not None:
-            with io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False), 1 << 20) as f:
-                yield f
+            try:
+                with io.BufferedReader(_ZstdFrames(raw, zstandard), 1 << 20) as f:
+                    yield f
+            except (zstandard.ZstdError, EOFError) as e:
+                raise ValueError(_damaged(path, "zstd", raw, e)) from None
         else:
             yield raw
         reading.current = lambda: 0
+
+
+def _damaged(path: str, kind: str, raw, e: Exception) -> str:
+    """The line of a compressed file that cannot be decompressed: where, why, what to do."""
+    return (f"{path}: a damaged {kind} file ({e}) near byte {raw.tell():,} of {os.path.getsize(path):,}: replace it or "
+            f"leave it out of the inputs (--skip-bad-records skips bad records of a readable file, not a damaged "
+            f"compressed one)")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a .zst file, frame after frame; a file that ends inside a frame is an
+    EOFError (zstandard's stream reader ends there without a word)."""
+
+    CHUNK = 1 << 16  # compressed bytes decompressed at a time
+
+    def __init__(self, raw, zstandard):
+        self.raw, self.zstandard = raw, zstandard
+        self.frame = None  # the decompressor of the frame being read
+        self.out, self.at = b"", 0  # decompressed bytes, and how many of them were read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.at == len(self.out):
+            data = self.raw.read(self.CHUNK)
+            if not data:
+                if self.frame is not None and not self.frame.eof:
+                    raise EOFError("the file ends inside a zstd frame: it was cut short")
+                return 0
+            self.out, self.at = self._decompress(data), 0
+        n = min(len(buffer), len(self.out) - self.at)
+        buffer[:n] = self.out[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        parts = []
+        while data:
+            if self.frame is None or self.frame.eof:
+                self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+            parts.append(self.frame.decompress(data))
+            data = self.frame.unused_data if self.frame.eof else b""
+        return b"".join(parts)
 
 
 def _decode(data: bytes, path: str, first_line: int, bad: BadRecords) -> str | None:
@@ -248,11 +309,16 @@ def _jsonl(source: Source, key: str, bad: BadRecords, reading: Reading) -> Itera
 
 
 def _arrow_files(folder: str) -> list[str]:
-    """The arrow files of a saved dataset, in its order (each split's in turn for a DatasetDict)."""
+    """The arrow files of a saved dataset, in its order (a DatasetDict's: its train split's); a
+    DatasetDict without a train split is an error listing its splits."""
     if os.path.isfile(os.path.join(folder, DATASET_DICT)):
         with open(os.path.join(folder, DATASET_DICT)) as f:
             splits = json.load(f)["splits"]
-        return [p for s in splits for p in _arrow_files(os.path.join(folder, s))]
+        if DATASET_DICT_SPLIT not in splits:
+            raise ValueError(f"{folder}: a DatasetDict without a {DATASET_DICT_SPLIT!r} split (its splits: "
+                             f"{', '.join(splits)}): give the folder of the split to read, e.g. "
+                             f"{os.path.join(folder, splits[0])}")
+        return _arrow_files(os.path.join(folder, DATASET_DICT_SPLIT))
     with open(os.path.join(folder, DATASET_STATE)) as f:
         return [os.path.join(folder, d["filename"]) for d in json.load(f)["_data_files"]]
 

@@ -23,6 +23,8 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder,
 from fbt_megatron import processes
 from fbt_megatron.data.documents import BadRecords, Reading, iter_documents, progress
 from fbt_megatron.data.tokenizer import Tokenizer, load_tokenizer
+from fbt_megatron.errors import StorageError
+from fbt_megatron.folders import STORAGE_ERRNOS, unwritable
 
 CHUNK_BYTES = 1 << 18  # text per task sent to a worker: small, so that the workers end together
 CHUNK_DOCUMENTS = 256
@@ -81,7 +83,8 @@ def _encoded(items: Iterable[tuple[int, str]], tokenizer: Tokenizer, dtype, work
 @contextlib.contextmanager
 def indexed_outputs(prefixes: list[str], dtype) -> Iterator[list[IndexedDatasetBuilder]]:
     """One builder per prefix, writing under temporary names; on success every prefix's files are
-    finalized and renamed into place, on any failure all of them removed."""
+    finalized and renamed into place, on any failure all of them removed (a file system that
+    refuses the writes, full or read-only, is then one ``StorageError`` naming the folder)."""
     tmps = [f"{prefix}.tmp-{os.getpid()}" for prefix in prefixes]
     for prefix in prefixes:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
@@ -94,12 +97,16 @@ def indexed_outputs(prefixes: list[str], dtype) -> Iterator[list[IndexedDatasetB
         for prefix, tmp in zip(prefixes, tmps):
             os.replace(get_bin_path(tmp), get_bin_path(prefix))
             os.replace(get_idx_path(tmp), get_idx_path(prefix))
-    except BaseException:
+    except BaseException as e:
         for builder in builders:
-            builder.data_file.close()
+            with contextlib.suppress(OSError):  # a full disk refuses its buffer's last write again
+                builder.data_file.close()
         for path in (p for tmp in tmps for p in (get_bin_path(tmp), get_idx_path(tmp))):
             if os.path.exists(path):
                 os.remove(path)
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            folder = os.path.dirname(os.path.abspath(prefixes[0]))
+            raise StorageError(f"{prefixes[0]}.bin/.idx not written: {unwritable(e, folder, 'write elsewhere')}") from None
         raise
 
 

@@ -3,14 +3,19 @@
 ``--shard I/N`` gives shard I (0-based) of N a contiguous run of the inputs' files (saved datasets
 count as one), balanced by bytes on disk, so the shards in order hold the documents in the order
 one process reads them. Shard I of prefix P is written as ``P_shard-IIIII-of-NNNNN.bin/.idx``
-(atomically, ``preprocess``); a shard whose two files are there is complete and skipped, so a
-rerun (a requeued array task) redoes only what is missing. ``merge`` concatenates prefixes in order
-through megatron-core's ``IndexedDatasetBuilder.add_index``: the merged files are byte for byte
-those one process writes from all the inputs.
+(atomically, ``preprocess``), then what made it is recorded beside them in ``P_shard-IIIII-of-NNNNN.json``
+(atomically, last; ``made_by``): its input files (paths, sizes, modification times), the tokenizer's
+sha256, the text key and the document split. A shard is complete when its two files are there and
+its record matches what would make it now; a rerun (a requeued array task) skips complete shards
+and redoes the others, saying why in one line (``shard 3: redone, its tokenizer changed``).
+``merge`` concatenates prefixes in order through megatron-core's
+``IndexedDatasetBuilder.add_index``: the merged files are byte for byte those one process writes
+from all the inputs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -18,6 +23,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path,
 
 from fbt_megatron.data.documents import Source, sources
 from fbt_megatron.data.preprocess import indexed_outputs, preprocess
+from fbt_megatron.data.tokenizer import load_tokenizer
+
+RECORD_FORMAT = "fbt-megatron shard"
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -56,13 +64,86 @@ def shard_units(inputs: list[str], index: int, count: int) -> list[Source]:
 
 
 def preprocess_shard(inputs: list[str], tokenizer_path: str, output_prefix: str, index: int, count: int,
-                     **kwargs) -> tuple[str, dict, bool]:
-    """Shard `index` of `count` of the inputs tokenized (``preprocess`` with `kwargs`), unless it
-    is complete already; returns (its prefix, its counts, whether it was written now)."""
+                     json_key: str = "text", split: str = "file", **kwargs) -> tuple[str, dict, bool]:
+    """Shard `index` of `count` of the inputs tokenized (``preprocess`` with `json_key`, `split` and
+    `kwargs`), unless it is complete already (``stale`` finds nothing); returns (its prefix, its
+    counts, whether it was written now)."""
     prefix = shard_prefix(output_prefix, index, count)
-    if complete(prefix):
+    units = shard_units(inputs, index, count)
+    record = made_by(units, tokenizer_path, json_key, split)
+    why = stale(prefix, record)
+    if why is None:
         return prefix, counts(prefix), False
-    return prefix, preprocess(shard_units(inputs, index, count), tokenizer_path, prefix, **kwargs), True
+    if any(os.path.exists(p) for p in (get_bin_path(prefix), get_idx_path(prefix), record_path(prefix))):
+        print(f"shard {index}: redone, {why}", flush=True)
+        if os.path.exists(record_path(prefix)):
+            os.remove(record_path(prefix))  # not complete from here on, whatever stops the redo
+    written = preprocess(units, tokenizer_path, prefix, json_key=json_key, split=split, **kwargs)
+    _write_record(prefix, record)
+    return prefix, written, True
+
+
+def record_path(prefix: str) -> str:
+    """Where what made the shard `prefix` is recorded."""
+    return prefix + ".json"
+
+
+def made_by(units: list[Source], tokenizer_path: str, json_key: str, split: str) -> dict:
+    """What makes a shard: its input files (each file of a saved dataset) with their sizes and
+    modification times, the tokenizer's sha256, the text key and the document split."""
+    stats = [(os.path.abspath(path), os.stat(path)) for unit in units for path in unit.files]
+    return {
+        "format": RECORD_FORMAT,
+        "inputs": [[path, stat.st_size, stat.st_mtime_ns] for path, stat in stats],
+        "tokenizer_sha256": load_tokenizer(tokenizer_path).sha256,
+        "json_key": json_key,
+        "split_documents": split,
+    }
+
+
+def stale(prefix: str, record: dict) -> str | None:
+    """Why shard `prefix` is not complete for `record` (``made_by``), in words; None when it is."""
+    if not complete(prefix):
+        return "its .bin/.idx are not both there"
+    try:
+        with open(record_path(prefix)) as f:
+            recorded = json.load(f)
+    except FileNotFoundError:
+        return f"it has no record of what made it ({os.path.basename(record_path(prefix))})"
+    except (OSError, ValueError):
+        recorded = None
+    if not isinstance(recorded, dict) or recorded.get("format") != RECORD_FORMAT or recorded.keys() != record.keys():
+        return f"its record {os.path.basename(record_path(prefix))} is unreadable"
+    if recorded["tokenizer_sha256"] != record["tokenizer_sha256"]:
+        return "its tokenizer changed"
+    if recorded["inputs"] != record["inputs"]:
+        return _inputs_change(recorded["inputs"], record["inputs"])
+    changed = [key for key in ("json_key", "split_documents") if recorded[key] != record[key]]
+    if changed:
+        return f"its --{changed[0].replace('_', '-')} changed"
+    return None
+
+
+def _inputs_change(before: list, now: list) -> str:
+    """Which of a shard's input files changed, in words."""
+    old, new = ({path: rest for path, *rest in files} for files in (before, now))
+    for path, rest in new.items():
+        if path not in old:
+            return f"its inputs changed ({path} is new to it)"
+        if old[path] != rest:
+            return f"its input {path} changed (size or modification time)"
+    gone = [path for path in old if path not in new]
+    return f"its inputs changed ({gone[0]} is no longer one)" if gone else "its inputs changed (their order)"
+
+
+def _write_record(prefix: str, record: dict) -> None:
+    """The record of a shard just written, atomically and synced: the last thing that makes it complete."""
+    tmp = f"{record_path(prefix)}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, record_path(prefix))
 
 
 def complete(prefix: str) -> bool:
