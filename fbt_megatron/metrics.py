@@ -2,10 +2,10 @@
 Weights & Biases (``--wandb-project``: ``monitoring.wandb_writer``, the TensorBoard tags).
 
 ``TrainingLog`` makes the records: the window of steps since the last one (its time, throughput and
-MFU), the losses, the pass schedule's phase and shares, the z-loss, validation; ``header`` and
-``validation_note`` open the log. ``metrics.jsonl`` is appended across resumes; records past the
-step a run resumes from (logged after the last checkpoint of a crashed run) are dropped first, so
-the file reads as one run.
+MFU), the losses, the pass schedule's phase and shares, the z-loss, validation, stragglers
+(``monitoring.stragglers``); ``header`` and ``validation_note`` open the log. ``metrics.jsonl`` is
+appended across resumes; records past the step a run resumes from (logged after the last checkpoint
+of a crashed run) are dropped first, so the file reads as one run.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from fbt_megatron.cli import plural
 
@@ -60,6 +59,8 @@ def tensorboard_scalars(record: dict) -> dict:
             out.update({f"fbt/state delta pass{j}": v for j, v in enumerate(value, start=2)})
         elif key in ("param_norms", "grad_norms"):  # per layer (monitoring.norms)
             out.update({f"{'params-norm' if key == 'param_norms' else 'grad-norm'}/{name}": v for name, v in value.items()})
+        elif key == "stragglers":  # the ranks named slow at this step (monitoring.stragglers): their ratio to the median
+            out.update({f"stragglers/rank{s['rank']}": s["ratio"] for s in value})
         elif key == "k_share":  # the share of steps so far that ran k passes
             out.update({f"fbt/pass-share k{k}": v for k, v in value.items()})
         elif key.startswith("valid_loss_fused"):
@@ -143,62 +144,68 @@ class MetricsLogger:
 
 
 class TrainingLog:
-    """The log of a training run on this rank. Every step's time joins the current window
-    (``start_step`` / ``end_step``); a logged step (every ``--log-interval`` and the last) makes a
-    record: the objective and the per-pass losses (averaged over the data-parallel ranks), ‖Δs‖,
-    learning rate, gradient norm, skipped steps, the window's time per step and throughput, tokens,
-    MFU (``plan.flops.Throughput``), the pass phase and shares (``PassShares``), the z-loss, every
-    ``--log-layer-norms-interval`` steps each layer's norms (``monitoring.norms``) and, when
-    due, the validation losses (``validate()``). Only the last pipeline stage (``active``) has the
-    losses and logs, and writes the heartbeat (``monitoring.heartbeat``); the other stages take part
-    in validation."""
+    """The log of a training run on this rank. Every step's time (``step.StepResult``: the step's
+    own clock) joins the current window; a logged step (every ``--log-interval``, every validation
+    and the last) makes a record: the objective and the per-pass losses (averaged over the
+    data-parallel ranks), ‖Δs‖, learning rate, gradient norm, skipped steps, the window's time per
+    step and throughput, tokens, MFU (``plan.flops.Throughput``), the pass phase and shares
+    (``PassShares``), the z-loss, every ``--log-layer-norms-interval`` steps each layer's norms
+    (``monitoring.norms``), the validation losses the loop measured after the step
+    (``step.validation_due``) and the stragglers (``monitoring.stragglers``: every rank takes part).
+    Only the last pipeline stage (``active``) has the losses and logs, and writes the heartbeat
+    (``monitoring.heartbeat``) after the step's checkpoint (``beat``). ``ranks``: every rank's node
+    (``monitoring.ranks``)."""
 
-    def __init__(self, recipe, config, passes, state, validate: Callable[[], dict], active: bool):
+    def __init__(self, recipe, config, passes, state, ranks: list, active: bool):
         import torch.distributed as dist
 
         from fbt_megatron.monitoring.heartbeat import Heartbeat
-        from fbt_megatron.monitoring.wandb_writer import WandbWriter, require_wandb
+        from fbt_megatron.monitoring.stragglers import Stragglers
+        from fbt_megatron.monitoring.wandb_writer import WandbWriter
         from fbt_megatron.plan.flops import Throughput
         from fbt_megatron.plan.gpus import peak_tflops
 
         c, g = recipe.checkpoint, recipe.logging
-        self.recipe, self.config, self.validate, self.active = recipe, config, validate, active
-        if g.wandb_project:
-            require_wandb()  # on every rank: a missing package is one line from all of them
+        self.recipe, self.config, self.active = recipe, config, active
         self.logger = MetricsLogger(c.save, active=active, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
                                     resume_from=state.iteration,
                                     wandb=WandbWriter(recipe) if g.wandb_project and active else None)
         self.heartbeat = Heartbeat(c.save, g.heartbeat_interval, recipe.training.train_iters, active=active)
+        self.stragglers = Stragglers(g.straggler_threshold, c.save, ranks, active)
         self.throughput = Throughput(config, dist.get_world_size(), peak_tflops(g.peak_tflops), state.tokens, state.compute_tokens)
         self.pass_shares = PassShares(passes)
-        self.records, self.window_time, self.window_steps, self.started = [], 0.0, 0, 0.0
+        self.records, self.window_time, self.window_steps = [], 0.0, 0
 
     def due(self, step: int) -> bool:
-        """Whether step ``step`` (1-based) is logged."""
-        return step % self.recipe.logging.log_interval == 0 or step == self.recipe.training.train_iters
+        """Whether step ``step`` (1-based) is logged: every ``--log-interval``, every validation, the last."""
+        from fbt_megatron.step import validation_due
 
-    def start_step(self) -> None:
-        self.started = time.perf_counter()
+        return (step % self.recipe.logging.log_interval == 0 or step == self.recipe.training.train_iters
+                or validation_due(self.recipe, step))
 
-    def end_step(self, state, k: int, step) -> None:
-        """After the step (``step.StepResult``, k passes) that brought ``state`` to its iteration."""
-        self.window_time += time.perf_counter() - self.started
+    def end_step(self, state, k: int, step, valid: dict) -> None:
+        """After the step (``step.StepResult``, k passes) that brought ``state`` to its iteration and
+        the validation after it (``valid``: its losses; {} when none ran)."""
+        self.window_time += step.seconds
         self.window_steps += 1
-        self.heartbeat.beat(state)
-        t = self.recipe.training
+        self.stragglers.add(step.own)
         if not self.due(state.iteration):
             return
-        validating = t.eval_iters and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters)
+        stragglers = self.stragglers.gather()  # every rank
         if not step.report:  # not the last pipeline stage: no losses here
-            if validating:
-                self.validate()
             return
         record = self._record(state, k, step)
         self.window_time, self.window_steps = 0.0, 0
-        if validating:
-            record.update(self.validate())
+        record.update(valid)
+        if stragglers:
+            record["stragglers"] = stragglers
         self.records.append(record)
         self.logger.log(record)
+        self.stragglers.report(state.iteration, stragglers)
+
+    def beat(self, state) -> None:
+        """After the step and its checkpoint: the heartbeat, naming that checkpoint (``monitoring.heartbeat``)."""
+        self.heartbeat.beat(state)
 
     def _record(self, state, k: int, step) -> dict:
         from fbt_megatron.fbt import pass_weights

@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import io
 import os
+import socket
 import sys
 
 import torch
@@ -40,6 +41,11 @@ def on_gpu() -> bool:
 def simulated() -> bool:
     """The compute device is a simulated one that is not the host (``simulated_device``)."""
     return not on_gpu() and simulated_device.requested()
+
+
+def node_name() -> str:
+    """This process's node: Slurm's name for it (``SLURMD_NODENAME``), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def device() -> torch.device:

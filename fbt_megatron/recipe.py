@@ -102,9 +102,10 @@ class TrainingSection:
     inject_nan: Optional[str] = None
     """Testing aid: NaN/Inf at chosen steps, e.g. "loss@3,grad@5-6,grad@9:inf" (bad_steps.py)."""
     inject_fault: Optional[List[str]] = None
-    """Drill: crash@STEP[:RANK] (kill -9), hang@STEP[:RANK] (blocks the next collective), freeze@STEP[:RANK]
-    (holds the interpreter: the rank writes nothing) or spike@STEP (loss and gradients scaled up),
-    repeatable (fbt_megatron/resilience/faults.py; docs/operations.md)."""
+    """Drill, repeatable: KIND@STEP[:RANK], KIND one of crash, hang, freeze, slow, spike (docs/operations.md).
+    crash@STEP[:RANK] kills the rank (kill -9), hang@ blocks it before the next collective, freeze@ too
+    holding the interpreter (it writes nothing), slow@ adds 1 s to each of 10 steps (a straggler);
+    spike@STEP scales the step's loss and gradients up (fbt_megatron/resilience/faults.py)."""
     distributed_timeout_minutes: int = 10
     """Timeout of the process groups' collectives (torch.distributed), minutes."""
     hang_timeout_minutes: float = 30.0
@@ -258,14 +259,21 @@ class LoggingSection:
     looked up from the GPU's name; no MFU on CPU)."""
     wandb_project: Optional[str] = None
     """Also log to this Weights & Biases project: the TensorBoard scalars (needs ``pip install wandb``;
-    WANDB_MODE=offline writes the run to disk only)."""
+    --wandb-mode offline writes the run to disk only)."""
     wandb_exp_name: Optional[str] = None
     """The W&B run's name (default: the --save folder's name)."""
     wandb_save_dir: Optional[str] = None
     """Where W&B writes its local files (default: <save>/wandb)."""
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None
+    """W&B's mode (null: WANDB_MODE's, else online). Online needs an API key (WANDB_API_KEY, or wandb
+    login); offline writes under --wandb-save-dir only (wandb sync uploads it later)."""
     log_layer_norms_interval: int = 0
     """Every this many steps (a multiple of --log-interval; 0: never) the record also holds each
     layer's parameter and gradient norms (params-norm/NAME, grad-norm/NAME), exact under TP and PP."""
+    straggler_threshold: float = 1.5
+    """Name the ranks slower than this many times the median at every logged step (0: off). A rank's
+    time is its own part of each step since the last log; the names go to the log, metrics.jsonl,
+    W&B and <save>/stragglers.jsonl."""
     heartbeat_interval: float = 30.0
     """With --save, <save>/heartbeat.json (step, time, tokens, last checkpoint) is rewritten
     atomically at most this often, in seconds (0: after every step), for cluster monitors."""
@@ -379,9 +387,9 @@ class Recipe:
         if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
             raise RecipeError(f"training.exit_duration_in_mins must be > 0, got {t.exit_duration_in_mins}")
         nan_injections(t.inject_nan)  # a malformed spec: one error line before any work
-        from fbt_megatron.resilience.faults import parse_faults
+        from fbt_megatron.resilience.faults import check_faults
 
-        parse_faults(t.inject_fault)
+        check_faults(t, world_size)
         if t.distributed_timeout_minutes < 1 or t.hang_timeout_minutes < 0:
             raise RecipeError("training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0")
         if t.spike_factor <= 1 or t.spike_window < 1 or t.max_rewinds < 0:
@@ -446,8 +454,10 @@ class Recipe:
                               f"(0: off), got {g.log_layer_norms_interval}")
         if g.heartbeat_interval < 0:
             raise RecipeError(f"logging.heartbeat_interval must be >= 0 seconds, got {g.heartbeat_interval}")
-        if g.wandb_project is None and (g.wandb_exp_name or g.wandb_save_dir):
-            raise RecipeError("logging.wandb_exp_name and wandb_save_dir name a W&B run: give --wandb-project too")
+        if g.straggler_threshold != 0 and g.straggler_threshold <= 1:
+            raise RecipeError(f"logging.straggler_threshold must be > 1 (0: off), got {g.straggler_threshold}")
+        if g.wandb_project is None and (g.wandb_exp_name or g.wandb_save_dir or g.wandb_mode):
+            raise RecipeError("logging.wandb_exp_name, wandb_save_dir and wandb_mode are a W&B run's: give --wandb-project too")
         if self.data.data_path is None and self.data.train_data_path is None:
             raise RecipeError("data: set data_path (a corpus folder) or train_data_path (a blend)")
         if self.data.train_data_path is not None and self.data.tokenizer_model is None:

@@ -1,13 +1,15 @@
 """One training step, and validation: the microbatches of a global batch through the pass-aware
 schedule.
 
-``TrainStep``, top to bottom: zero the gradients → (``--inject-fault``: a crash or hang of this
-rank, ``resilience.faults``; ``--inject-nan``: a poisoned batch) → megatron-core's forward-backward
-schedule over this rank's microbatches, each doing k passes (``parallel.pipeline``: all passes in
-one forward step at PP = 1, passes as virtual pipeline chunks at PP > 1), gradients reduced by DDP →
-(a poisoned or spiking gradient) → the optimizer step, skipped for a NaN/Inf gradient norm
-(``bad_steps.optimizer_step``) or a spike to skip or rewind (``resilience.spikes``) → the
-learning-rate step → the bad-step record. ``evaluate`` runs the validation batches forward only, after 0, 1, …, n fused passes.
+``TrainStep``, top to bottom: zero the gradients → (``--inject-fault``: a crash, hang or slow step
+of this rank, ``resilience.faults``; ``--inject-nan``: a poisoned batch) → megatron-core's
+forward-backward schedule over this rank's microbatches, each doing k passes (``parallel.pipeline``:
+all passes in one forward step at PP = 1, passes as virtual pipeline chunks at PP > 1), gradients
+reduced by DDP → (a poisoned or spiking gradient) → the optimizer step, skipped for a NaN/Inf
+gradient norm (``bad_steps.optimizer_step``) or a spike to skip or rewind (``resilience.spikes``) →
+the learning-rate step → the bad-step record. The step times itself: its whole time and this rank's
+own part, up to the gradient reduction (``monitoring.stragglers.StepClock``). ``evaluate`` runs the
+validation batches forward only, after 0, 1, …, n fused passes, when ``validation_due``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fbt_megatron.bad_steps import BadSteps, NaNInjection, optimizer_step
 from fbt_megatron.data.packed_rows import PackedRows
 from fbt_megatron.losses import z_loss_coefficient
 from fbt_megatron.monitoring.norms import gradient_squares, layer_norms
+from fbt_megatron.monitoring.stragglers import Span, StepClock
 from fbt_megatron.optimizers.schedule import cooldown_start
 from fbt_megatron.parallel import pipeline
 from fbt_megatron.recipe import Recipe
@@ -96,6 +99,13 @@ def data_parallel_mean(report: dict) -> dict:
     return out
 
 
+def validation_due(recipe: Recipe, step: int) -> bool:
+    """Whether validation runs after step ``step`` (1-based): every ``--eval-interval`` steps and
+    after the last, unless ``--eval-iters`` is 0; whatever ``--log-interval`` is."""
+    t = recipe.training
+    return bool(t.eval_iters) and (step % t.eval_interval == 0 or step == t.train_iters)
+
+
 def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
     """Validation loss after 0, 1, …, n fused prefill passes (eval mode: no prefix mixin, no jitter)."""
     n = recipe.training.fused_prefill_passes if config.latent_feedback else 0
@@ -121,6 +131,8 @@ class StepResult:
     grad_norm: Optional[float]  # the global gradient norm (None: the fp16 loss scaler found an overflow)
     lr: float  # the learning rate after the step (the first param group's)
     layer_norms: Optional[dict] = None  # every --log-layer-norms-interval steps: monitoring.norms.layer_norms
+    seconds: float = 0.0  # the step's wall time
+    own: Optional[Span] = None  # this rank's own part of it, up to the gradient reduction (monitoring.stragglers)
 
 
 class TrainStep:
@@ -135,15 +147,17 @@ class TrainStep:
         self.injection, self.bad = NaNInjection(t.inject_nan), BadSteps(t.max_bad_steps, skipped_steps)
         self.faults = Faults(t.inject_fault, recipe.checkpoint.save, dist.get_rank())  # --inject-fault
         self.spikes = Spikes(t, recipe.checkpoint.save, verbose)  # --spike-policy
+        self.clock = StepClock(ddp.config)
 
     def __call__(self, state, k: int, measure_deltas: bool) -> StepResult:
         """The step after ``state`` (``checkpointing.TrainState``) with k passes; ``measure_deltas``:
         report the state deltas ‖Δs‖ too (log steps)."""
+        self.clock.start()
         t, step, model = self.recipe.training, state.iteration + 1, self.model
         self.ddp.start_step(k)
         model.z_loss.start_step(z_loss_coefficient(t, self.cooldown, state.iteration))
         self.optimizer.zero_grad()
-        self.faults.start_step(step)  # an injected crash or hang of this rank
+        self.faults.start_step(step)  # an injected crash, hang or slow step of this rank
         with self.injection.forward(step, model):
             report = run_schedule(self.recipe, self.ddp, self.dataset, state.consumed_samples, k, forward_only=False,
                                   measure_deltas=measure_deltas)
@@ -162,4 +176,4 @@ class TrainStep:
         if self.bad.consecutive and self.verbose:
             print(f"step {step} skipped: gradient norm {grad_norm} ({self.bad.consecutive} in a row, "
                   f"{self.bad.skipped} in all)", flush=True)
-        return StepResult(report, grad_norm, self.scheduler.get_lr(self.optimizer.param_groups[0]), norms)
+        return StepResult(report, grad_norm, self.scheduler.get_lr(self.optimizer.param_groups[0]), norms, *self.clock.stop())

@@ -6,10 +6,12 @@ Set up: where the run starts (``stages``), its learning-rate curve (``optimizers
 process groups, the data (``data.build``), the model and optimizer (``build``). Then every step,
 top to bottom: pick k for this step (the pass schedule, ``passes``) → one step (``step.TrainStep``:
 megatron-core's forward-backward schedule over the microbatches, each doing k passes; gradients
-reduced by DDP; the optimizer step; the learning-rate step) → advance the state → record and log
-(``metrics.TrainingLog``, with validation) → after a loss spike, rewind (``resilience.spikes``) → the
-stop check (``stopping``) → save, and decide whether to exit (``saver.Saver``). A watchdog ends a
-run whose steps stop coming, with every rank's stacks (``resilience.watchdog``).
+reduced by DDP; the optimizer step; the learning-rate step) → advance the state → validate when
+due (``step.validation_due``, at its own interval) → record and log (``metrics.TrainingLog``: the
+validation, stragglers) → after a loss spike, rewind (``resilience.spikes``) → the stop check
+(``stopping``) → save, and decide whether to exit (``saver.Saver``) → the heartbeat, naming that
+save. At start-up every rank's node is recorded (``monitoring.ranks``: ``<save>/ranks.json``). A
+watchdog ends a run whose steps stop coming, with every rank's stacks (``resilience.watchdog``).
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from fbt_megatron.checkpointing import TrainState
 from fbt_megatron.cli import quiet_library_warnings, run_cli
 from fbt_megatron.data.build import build_data
 from fbt_megatron.metrics import TrainingLog, epochs_note, header, validation_note
+from fbt_megatron.monitoring.ranks import record_ranks
+from fbt_megatron.monitoring.wandb_writer import check_wandb
 from fbt_megatron.optimizers.schedule import choose_schedule
 from fbt_megatron.passes import pass_schedule
 from fbt_megatron.plan.planner import print_plan
 from fbt_megatron.recipe import Recipe
 from fbt_megatron.resilience.watchdog import Watchdog, arm_flight_recorder
 from fbt_megatron.saver import Saver, check_save
-from fbt_megatron.step import TrainStep, evaluate
+from fbt_megatron.step import TrainStep, evaluate, validation_due
 from fbt_megatron.stopping import StopCheck
 
 DESCRIPTION = ("Train an FBT model (or its baseline) from a recipe, alone or under torchrun/srun. "
@@ -51,6 +55,8 @@ def train(recipe: Recipe) -> List[dict]:
         print_plan(recipe, world)
         return []
     recipe.validate(world)
+    if recipe.logging.wandb_project is not None:
+        check_wandb(recipe.logging)  # the package, and an API key for an online run
     warmup_note = recipe.clamp_warmup()
     check_save(recipe)  # a --save folder holding another run is refused (unless resumed or --overwrite-save)
     origin = stages.start_of(recipe)  # resume, weights of another run (a stage), or None: from scratch
@@ -78,8 +84,9 @@ def train(recipe: Recipe) -> List[dict]:
         print(f"seed checkpoint: {checkpointing.save(c.save, state.iteration, model, None, None, vars(state))}", flush=True)
         return []
 
+    ranks = record_ranks(c.save)  # every rank's node, in <save>/ranks.json (once the inputs are known good)
     is_logger = dist.get_rank() == dist.get_world_size() - 1  # last pipeline stage: it has the losses
-    log = TrainingLog(recipe, config, passes, state, lambda: evaluate(recipe, config, ddp, data.valid), active=is_logger)
+    log = TrainingLog(recipe, config, passes, state, ranks, active=is_logger)
     if is_logger:
         notes = [origin and origin.note, warmup_note, schedule_note, validation_note(data.valid, recipe),
                  epochs_note(data.train, recipe)]
@@ -91,15 +98,16 @@ def train(recipe: Recipe) -> List[dict]:
     try:
         while state.iteration < t.train_iters:
             k = passes(state.iteration)
-            log.start_step()
             stop.start_step()  # the ranks agree on stopping while the step computes
             result = step(state, k, measure_deltas=log.due(state.iteration + 1))
             state.advance(k, t.global_batch_size, t.global_batch_size * recipe.data.seq_length, step.bad.skipped)
-            log.end_step(state, k, result)
+            valid = evaluate(recipe, config, ddp, data.valid) if validation_due(recipe, state.iteration) else {}
+            log.end_step(state, k, result, valid)
             if step.spikes.rewind_due:  # --spike-policy rewind: the last checkpoint back, the spike's batches skipped
                 step.spikes.rewind(state, model, optimizer, scheduler, saver, step.bad)
             if saver.save_and_decide_exit(state, stop.stop_reason(), step.bad):
                 break
+            log.beat(state)  # after the save: the heartbeat names the checkpoint just written
             watchdog.kick(state.iteration)
         saver.wait()
     finally:

@@ -1,11 +1,21 @@
-"""A real single-node Slurm on loopback for the tests (../shared/notes/slurm-local.md).
+"""A real Slurm of several nodes on this one machine, for the tests (../shared/notes/slurm-local.md,
+../shared/notes/slurm-multinode.md).
 
-``LocalSlurm().start()`` starts munged, slurmctld and slurmd as this (root) user with every
-file they write — munge key and socket, slurm.conf, state, spool, pid and log files — in a new
-folder under /tmp (munged wants every folder above its socket world-executable, which pytest's
-tmp_path is not); ``stop()`` ends them by the PIDs in their pid files and removes the folder. The node advertises this machine's
-CPUs (2 in CI), no GRES. ``env`` is the environment for sbatch/scontrol (``SLURM_CONF``);
-``job(id)`` reads ``scontrol show job`` (accounting is off: no sacct).
+``SlurmCluster(nodes=3).start()`` gives every node a network namespace of its own (``fbt-n1`` …)
+with its own address (10.77.0.1 …) on a bridge, where slurmctld listens (10.77.0.254), and starts
+munged and slurmctld here and one ``slurmd -N nX`` inside each namespace, under the host name nX:
+jobs, their srun steps, torchrun's rendezvous and gloo's connections go from node to node over the
+bridge as on a cluster. The nodes resolve the node names (``/etc/netns/fbt-nX/hosts``, mounted over
+/etc/hosts for the node's slurmd and what it starts). Every other file the daemons write — munge key and
+socket, slurm.conf, state, spools, pid and log files — lies in a new folder under /tmp (munged
+wants every folder above its socket world-executable, which pytest's tmp_path is not). ``stop()``
+ends every process of the namespaces and the daemons, removes the namespaces, the bridge and the
+folder. Each node advertises this machine's CPUs (2 in CI), no GRES; the partition ``debug`` holds
+them all.
+
+``env`` is the environment for sbatch/scontrol (``SLURM_CONF``); ``job(id)`` reads ``scontrol show
+job`` (accounting is off: no sacct). ``kill_node(name)`` kills a node as a power loss would (its
+slurmd and every process of its namespace, SIGKILL); ``start_node(name)`` brings it back.
 """
 
 from __future__ import annotations
@@ -19,11 +29,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "ip", "nsenter", "unshare")
+BRIDGE, NETWORK, CONTROLLER = "fbt-br0", "10.77.0", 254  # the nodes: NETWORK.1, NETWORK.2, ...
 
 SLURM_CONF = """\
 ClusterName=fbt-test
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={host}({network}.{controller})
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=6817
@@ -40,30 +51,40 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
+SlurmdTimeout=20
 SchedulerParameters=bf_interval=1,sched_interval=1
 KillWait=30
 StateSaveLocation={base}/state
-SlurmdSpoolDir={base}/spool
+SlurmdSpoolDir={base}/spool/%n
 SlurmctldPidFile={base}/slurmctld.pid
-SlurmdPidFile={base}/slurmd.pid
+SlurmdPidFile={base}/slurmd-%n.pid
 SlurmctldLogFile={base}/slurmctld.log
-SlurmdLogFile={base}/slurmd.log
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=20000 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile={base}/slurmd-%n.log
+{nodes}
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
+NODE = "NodeName={name} NodeHostname={name} NodeAddr={address} CPUs={cpus} RealMemory=7000 State=UNKNOWN"
 
 
 def missing_binaries() -> list:
     return [name for name in DAEMONS if shutil.which(name) is None and not Path("/usr/sbin", name).exists()]
 
 
-class LocalSlurm:
-    def __init__(self):
+class SlurmCluster:
+    def __init__(self, nodes: int = 3):
         self.base = Path(tempfile.mkdtemp(prefix="fbt-slurm-"))
         self.base.chmod(0o755)
         self.conf = self.base / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self._hurried = set()  # (job, restart) whose start was brought forward
+
+    def address(self, node: str) -> str:
+        return f"{NETWORK}.{self.nodes.index(node) + 1}"
+
+    @staticmethod
+    def namespace(node: str) -> str:
+        return f"fbt-{node}"
 
     def _run(self, *cmd, check=True) -> str:
         run = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
@@ -71,49 +92,112 @@ class LocalSlurm:
             raise RuntimeError(f"{' '.join(cmd)}: {run.stdout}{run.stderr}")
         return run.stdout
 
-    def start(self) -> "LocalSlurm":
+    def start(self) -> "SlurmCluster":
+        self._remove_network()  # left by a run that was killed
         munge = self.base / "munge"
-        for folder in (munge, self.base / "state", self.base / "spool"):
+        for folder in (munge, self.base / "state", *(self.base / "spool" / n for n in self.nodes)):
             folder.mkdir(parents=True, exist_ok=True)
             folder.chmod(0o755)
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self.conf.write_text(SLURM_CONF.format(base=self.base, cpus=os.cpu_count()))
+        self._network()
+        nodes = "\n".join(NODE.format(name=n, address=self.address(n), cpus=os.cpu_count())
+                          for n in self.nodes)
+        self.conf.write_text(SLURM_CONF.format(base=self.base, host=os.uname().nodename, network=NETWORK, controller=CONTROLLER, nodes=nodes,
+                                               names=",".join(self.nodes)))
         self._run(_sbin("munged"), f"--key-file={key}", f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
                   f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed")
         self._run(_sbin("slurmctld"), "-f", str(self.conf))
-        self._run(_sbin("slurmd"), "-f", str(self.conf), "-N", "localhost")
-        deadline = time.time() + 30
-        while "idle" not in self._run("sinfo", "-h", "-o", "%T", check=False):
-            if time.time() > deadline:
-                raise RuntimeError("the loopback Slurm did not come up:\n" + (self.base / "slurmctld.log").read_text()[-2000:])
-            time.sleep(0.2)
+        for node in self.nodes:
+            self.start_node(node)
+        self.wait_for_nodes("idle", self.nodes)
         return self
 
+    def _network(self) -> None:
+        """The bridge (slurmctld's address) and one namespace per node, wired to it by a veth pair."""
+        ip = shutil.which("ip") or "/usr/sbin/ip"
+        self._run(ip, "link", "add", BRIDGE, "type", "bridge")
+        self._run(ip, "addr", "add", f"{NETWORK}.{CONTROLLER}/24", "dev", BRIDGE)
+        self._run(ip, "link", "set", BRIDGE, "up")
+        names = "".join(f"{self.address(n)} {n}\n" for n in self.nodes)
+        for node in self.nodes:
+            ns, veth = self.namespace(node), f"fbt-v{node}"
+            hosts = Path("/etc/netns", ns, "hosts")
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            hosts.write_text(f"127.0.0.1 localhost\n{names}")
+            self._run(ip, "netns", "add", ns)
+            self._run(ip, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._run(ip, "link", "set", veth, "master", BRIDGE, "up")
+            self._run(ip, "netns", "exec", ns, "ip", "addr", "add", f"{self.address(node)}/24", "dev", "eth0")
+            self._run(ip, "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            self._run(ip, "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+
+    def start_node(self, node: str) -> None:
+        """The node's slurmd, inside its network namespace, with its own host name (a UTS namespace)
+        and a mount namespace where the node's hosts file lies over /etc/hosts (as ``ip netns exec``
+        does, without remounting /sys, which would hide the cgroup file system slurmd reads)."""
+        ns = self.namespace(node)
+        self._run("nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
+                  f"hostname {node} && mount --bind /etc/netns/{ns}/hosts /etc/hosts && "
+                  f"exec {_sbin('slurmd')} -f {self.conf} -N {node}")
+
+    def kill_node(self, node: str) -> None:
+        """The node gone as a power loss takes it: its slurmd and every process on it, SIGKILLed."""
+        for _ in range(3):  # processes started while the first ones were killed
+            for pid in self._run("ip", "netns", "pids", self.namespace(node), check=False).split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+
+    def processes(self, node: str) -> list:
+        """The PIDs of the processes running on the node."""
+        return [int(p) for p in self._run("ip", "netns", "pids", self.namespace(node), check=False).split()]
+
+    def wait_for_nodes(self, state: str, nodes, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while True:
+            states = dict(line.split() for line in self._run("sinfo", "-h", "-N", "-o", "%N %T", check=False).splitlines())
+            if all(states.get(n, "").startswith(state) for n in nodes):
+                return
+            if time.time() > deadline:
+                raise RuntimeError(f"nodes {states} not {state} after {timeout} s:\n"
+                                   + (self.base / "slurmctld.log").read_text()[-2000:])
+            time.sleep(0.3)
+
     def stop(self, keep_logs: Optional[Path] = None) -> None:
-        """Cancel the jobs left (their slurmstepd processes outlive slurmd), end the daemons and
-        remove the folder, the daemons' logs copied to ``keep_logs`` first."""
+        """Cancel the jobs left, end every process of the nodes and the daemons, remove the network
+        and the folder, the daemons' logs copied to ``keep_logs`` first."""
         jobs = self._run("squeue", "-h", "-o", "%i", check=False).split()
         if jobs:
             self._run("scancel", *jobs, check=False)
             deadline = time.time() + 60
             while self._run("squeue", "-h", "-o", "%i", check=False).split() and time.time() < deadline:
                 time.sleep(0.5)
-        for pid_file in (self.base / "slurmd.pid", self.base / "slurmctld.pid", self.base / "munge" / "munged.pid"):
+        for node in self.nodes:
+            self.kill_node(node)
+        for pid_file in (self.base / "slurmctld.pid", self.base / "munge" / "munged.pid"):
             if pid_file.exists():
                 try:
                     os.kill(int(pid_file.read_text()), signal.SIGTERM)
                 except (ProcessLookupError, ValueError):
                     pass
         time.sleep(0.5)
-        for log in (self.base / "slurmctld.log", self.base / "slurmd.log") if keep_logs else ():
-            if log.exists():
-                shutil.copy(log, keep_logs / log.name)
+        for log in [*self.base.glob("slurm*.log")] if keep_logs else ():
+            shutil.copy(log, keep_logs / log.name)
+        self._remove_network()
         shutil.rmtree(self.base, ignore_errors=True)
 
+    def _remove_network(self) -> None:
+        for node in self.nodes:
+            subprocess.run(["ip", "netns", "del", self.namespace(node)], capture_output=True)
+            shutil.rmtree(Path("/etc/netns", self.namespace(node)), ignore_errors=True)
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+
     def job(self, job_id: int) -> dict:
-        """``scontrol show job`` as a dict (JobState, Restarts, ExitCode, ...)."""
+        """``scontrol show job`` as a dict (JobState, Restarts, ExitCode, NodeList, ExcNodeList, ...)."""
         fields = {}
         for word in self._run("scontrol", "show", "job", "-o", str(job_id)).split():
             key, _, value = word.partition("=")
@@ -133,7 +217,7 @@ class LocalSlurm:
                 return info
             if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
                 raise AssertionError(f"job {job_id} ended {state} (restart {restarted}) waiting for {states} at restart {restarts}")
-            if state == "PENDING" and restarted > 0 and (job_id, restarted) not in self._hurried:
+            if state == "PENDING" and restarted > 0 and (job_id, restarted) not in self._hurried and "held" not in info.get("Reason", ""):
                 self._hurried.add((job_id, restarted))  # once: each update moves the start again
                 self._run("scontrol", "update", f"JobId={job_id}", "StartTime=now+2", check=False)
             if time.time() > deadline:

@@ -27,9 +27,9 @@ from forked import run_commands
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
-# 5 steps (stopped by --exit-interval) of 6, logged at step 4: the summary must say 5
+# 5 steps (stopped by --exit-interval) of 6, logged at step 4 (validated at 6 only): the summary must say 5
 TRAIN = ["--recipe", TINY, "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "4",
-         "--lr-warmup-iters", "1", "--threads", "1", "--tensorboard", "false", "--eval-iters", "1", "--eval-interval", "5",
+         "--lr-warmup-iters", "1", "--threads", "1", "--tensorboard", "false", "--eval-iters", "1", "--eval-interval", "6",
          "--train-iters", "6", "--log-interval", "4", "--corpus", "null"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -61,7 +61,9 @@ def test_megatron_flag_overrides_are_typed(tmp_path):
         ("# only a comment\n", "the recipe file is empty; give its sections"),
         ("logging:\n  log_interval: 10\n  log_layer_norms_interval: 15\n",
          "logging.log_layer_norms_interval must be a multiple of --log-interval 10"),
-        ("logging:\n  wandb_exp_name: x\n", "logging.wandb_exp_name and wandb_save_dir name a W&B run: give --wandb-project"),
+        ("logging:\n  wandb_exp_name: x\n", "logging.wandb_exp_name, wandb_save_dir and wandb_mode are a W&B run's: give --wandb-project"),
+        ("logging:\n  wandb_mode: offline\n", "logging.wandb_exp_name, wandb_save_dir and wandb_mode are a W&B run's: give --wandb-project"),
+        ("logging:\n  straggler_threshold: 0.5\n", "logging.straggler_threshold must be > 1"),
     ],
 )
 def test_bad_recipes_name_the_problem(tmp_path, text, message):

@@ -1,6 +1,8 @@
 """A run that looks after itself (fbt_megatron/resilience/): injected faults, loss spikes, hangs.
 
 * ``--inject-fault`` specs and the spike flags are checked up front, one line each; the flag repeats.
+  A fault that could never fire is refused too: a rank outside the world, a step past the run, a
+  spike before the spike window is full.
 * The spike check on a sequence of gradient norms: warn, skip, the running median's window.
 * Through the entry point (real processes): ``spike@6`` with ``--spike-policy rewind`` — reloaded
   from the checkpoint of step 4, the batches of steps 5-6 skipped — gives the same losses bit for
@@ -33,7 +35,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fbt_megatron import train
+from fbt_megatron import platform, train
 from fbt_megatron.errors import RecipeError
 from fbt_megatron.metrics import read_metrics
 from fbt_megatron.resilience.faults import Fault, parse_faults
@@ -56,14 +58,25 @@ def test_fault_specs_and_spike_flags_are_checked_in_one_line():
     recipe = train.parse_args(["--recipe", TINY, "--inject-fault", "crash@5:1", "--inject-fault", "[hang@3:1, spike@6]"])
     assert recipe.training.inject_fault == ["crash@5:1", "hang@3:1", "spike@6"]  # repeated: the values add up
     assert parse_faults(recipe.training.inject_fault) == [Fault("crash", 5, 1), Fault("hang", 3, 1), Fault("spike", 6, 0)]
-    assert parse_faults(["crash@7", "freeze@2:1"]) == [Fault("crash", 7, 0), Fault("freeze", 2, 1)]  # rank 0 unless given
+    assert parse_faults(["crash@7", "freeze@2:1", "slow@3:1"]) == [Fault("crash", 7, 0), Fault("freeze", 2, 1),
+                                                                    Fault("slow", 3, 1)]  # rank 0 unless given
+    train.parse_args(["--recipe", TINY, "--train-iters", "21", "--inject-fault", "slow@21:1", "--inject-fault", "spike@21"]).validate(2)
     bad = {
         ("--inject-fault", "crash5"): "training.inject_fault: 'crash5' is not KIND@STEP[:RANK] (KIND: crash, hang, freeze, "
-                                      "spike; STEP from 1), e.g. --inject-fault crash@5:1",
+                                      "slow, spike; STEP from 1), e.g. --inject-fault crash@5:1",
         ("--inject-fault", "spike@6:1"): "training.inject_fault: 'spike@6:1': a spike is the whole step's, on every rank: "
                                          "give spike@6",
         ("--inject-fault", "crash@0"): "training.inject_fault: 'crash@0' is not KIND@STEP[:RANK] (KIND: crash, hang, freeze, "
-                                       "spike; STEP from 1), e.g. --inject-fault crash@5:1",
+                                       "slow, spike; STEP from 1), e.g. --inject-fault crash@5:1",
+        ("--inject-fault", "crash@2:9"): "training.inject_fault: 'crash@2:9': rank 9 is not in this run's world of 1 process "
+                                         "(rank 0): it would never fire",
+        ("--inject-fault", "slow@2:1"): "training.inject_fault: 'slow@2:1': rank 1 is not in this run's world of 1 process "
+                                        "(rank 0): it would never fire",
+        ("--train-iters", "10", "--inject-fault", "hang@99"): "training.inject_fault: 'hang@99': step 99 is past --train-iters "
+                                                              "10: it would never fire",
+        ("--inject-fault", "spike@6"): "training.inject_fault: 'spike@6': the spike detector compares a step with the median of "
+                                       "the 20 before it (--spike-window 20), so it sees no spike before step 21: give a later "
+                                       "step or a smaller --spike-window",
         ("--spike-factor", "1"): "training.spike_factor must be > 1, training.spike_window >= 1 and training.max_rewinds >= 0",
         ("--hang-timeout-minutes", "-1"): "training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0",
         ("--spike-policy", "undo"): "--spike-policy must be one of ['off', 'warn', 'skip', 'rewind'], got 'undo'",
@@ -175,9 +188,10 @@ def test_a_hang_ends_with_every_ranks_stacks_and_resumes_exactly(drills):
     assert hang["code"] == HANG_EXIT, hang["log"][-3000:]
     assert hang["seconds"] < 60 * HANG_MINUTES + 30, hang["seconds"]  # the timeout, the watchdog's check, the grace, torchrun
     [line] = [line for line in hang["log"].splitlines() if line.startswith("hang: ")]
-    named = re.fullmatch(rf"hang: no step progress for \d+ s after step 2 \(--hang-timeout-minutes {HANG_MINUTES:g}\): rank 1 stuck "
-                         r"outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; (\d+) collectives issued on "
-                         rf"\S+, rank 0 (\d+)\); rank 0 waiting in a collective; stacks in {tmp}/hang/hang/rank\*.txt; exit 124: "
+    node = platform.node_name()  # each rank's node, named
+    named = re.fullmatch(rf"hang: no step progress for \d+ s after step 2 \(--hang-timeout-minutes {HANG_MINUTES:g}\): rank 1 on "
+                         rf"{node} stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; (\d+) collectives "
+                         rf"issued on \S+, rank 0 (\d+)\); rank 0 on {node} waiting in a collective; stacks in {tmp}/hang/hang/rank\*.txt; exit 124: "
                          r"a restart \(--load\) resumes from the last checkpoint", line)
     assert named and int(named[2]) > int(named[1]), line  # gloo: rank 0 waits inside the one collective rank 1 never issued
     assert (tmp / "hang" / "hang" / "diagnosis.txt").read_text() == line + "\n"
@@ -232,8 +246,10 @@ def test_rank_0_stuck_is_named_from_the_device_groups_and_both_ranks_exit_124(tm
     each = []
     run = _hang(tmp_path, small_corpus, "hang@3:0", each)
     assert each == [HANG_EXIT, HANG_EXIT], run["log"][-3000:]
-    assert re.search(r"\): rank 0 stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; \d+ collectives "
-                     r"issued on DATA_PARALLEL_GROUP(_WITH_CP)?, rank 1 \d+\); rank 1 waiting in a collective; ", run["line"]), run["line"]
+    on = f" on {platform.node_name()}"
+    assert re.search(rf"\): rank 0{on} stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; \d+ "
+                     rf"collectives issued on DATA_PARALLEL_GROUP(_WITH_CP)?, rank 1 \d+\); rank 1{on} waiting in a collective; ",
+                     run["line"]), run["line"]
     assert run["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002", "stuck_ranks": [0]}
     print(f"\nhang@3:0 on the simulated device, both ranks exit {each}: {run['line']}")
 
@@ -255,8 +271,9 @@ def test_a_hang_as_nccl_leaves_it_names_the_rank_behind_not_the_rank_waiting_out
     assert "main thread at hang_worker.py:" in heads[0] and "outside a torch.distributed call" in heads[0], heads[0]
     assert "faults.py" in heads[1] and "outside a torch.distributed call" in heads[1], heads[1]
     [line] = [line for line in log.splitlines() if line.startswith("hang: ")]
-    assert re.search(r"\): rank 1 stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; 0 collectives "
-                     r"issued on default_pg, rank 0 1\); rank 0 waiting in a collective; ", line), line
+    on = f" on {platform.node_name()}"
+    assert re.search(rf"\): rank 1{on} stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; 0 "
+                     rf"collectives issued on default_pg, rank 0 1\); rank 0{on} waiting in a collective; ", line), line
     assert json.loads((tmp_path / "exit_status.json").read_text())["stuck_ranks"] == [1]
     traces = {r: pickle.loads((folder / f"fr_trace_rank_{r}").read_bytes()) for r in (0, 1)}
     assert [(g["last_enqueued_collective"], g["last_completed_collective"]) for g in traces[0]["pg_status"].values()] == [(1, -1)]
@@ -271,62 +288,8 @@ def test_a_silent_rank_0_is_named_by_its_missing_stacks_and_rank_1_writes_the_st
     run = _hang(tmp_path, small_corpus, "freeze@3:0")
     assert run["code"] == HANG_EXIT, run["log"][-3000:]
     assert "--inject-fault freeze@3:0: rank 0 hangs holding the interpreter at the start of step 3" in run["log"]
-    assert re.search(r"\): rank 0 wrote no stacks \(stuck holding the interpreter, or gone\); rank 1 waiting in a collective; ",
+    assert re.search(rf"\): rank 0 wrote no stacks \(stuck holding the interpreter, or gone\); rank 1 on {platform.node_name()} "
+                     r"waiting in a collective; ",
                      run["line"]), run["line"]
     assert not list((tmp_path / "run" / "hang").glob("rank0*")) and (tmp_path / "run" / "hang" / "rank1.json").is_file()
     assert run["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002", "stuck_ranks": [0]}
-
-
-def test_attempts_requeue_failures_within_the_budget_per_checkpoint(tmp_path, monkeypatch, capsys):
-    """slurm/train.sbatch's record and retry budget (resilience/attempts.py) against stand-ins for
-    scontrol and sinfo that record their calls: a crash requeues and excludes the node srun named
-    (the partition has nodes to spare), a second failure from the same checkpoint gives up with
-    --max-restarts 1, a new checkpoint starts the count afresh, and so does a new job; an attempt that
-    never ended is found lost at the next start; exit code 2 is never retried."""
-    from fbt_megatron.resilience import attempts
-
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
-    bin_dir.mkdir()
-    for name, out in (("scontrol", "JobId=7 ExcNodeList=(null)"), ("sinfo", "n1\nn2\nn3")):
-        (bin_dir / name).write_text(f"#!/bin/sh\necho {name} \"$@\" >> {calls}\nprintf '{out}\\n'\n")
-        (bin_dir / name).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
-    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
-    save, log = tmp_path / "run", tmp_path / "job.out"
-
-    def attempt(restart: int, checkpoint: int, code: int, srun_error: str = "") -> int:
-        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
-        log.write_text(f"=== x: job 7 restart {restart} on n[1-2] at ... ===\n{srun_error}")
-        assert attempts.main(["start", str(save), "--max-restarts", "1"]) == 0
-        (save / attempts.TRACKER).write_text(str(checkpoint))
-        return attempts.main(["end", str(save), "--exit-code", str(code), "--train-iters", "10", "--max-restarts", "1",
-                              "--log", str(log)])
-
-    assert attempt(0, 4, 137, "srun: error: n2: task 1: Killed\nsrun: error: n1: task 0: Exited with exit code 1\n") == 0
-    assert attempt(1, 6, 124) == 0  # a hang, but a new checkpoint was made: the count starts afresh
-    assert attempt(2, 6, 1) == 1  # the second failure from step 6: more than --max-restarts 1
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
-    assert attempts.main(["start", str(save), "--max-restarts", "1"]) == 1  # requeued by hand: the budget is used up
-    monkeypatch.setenv("SLURM_JOB_ID", "8")  # submitted again: a budget of its own
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    assert attempts.main(["start", str(save), "--max-restarts", "1"]) == 0
-    (save / attempts.TRACKER).write_text("8")
-    assert attempt(1, 8, 2) == 2  # the previous attempt never ended (found lost); then bad input: never retried
-    records = attempts.read(save)
-    assert [(a["job_id"], a["restart_count"], a["start_step"], a["end_step"], a["exit_code"], a["ended"], a["next"])
-            for a in records] == [
-        (7, 0, 0, 4, 137, "failed", "requeued"), (7, 1, 4, 6, 124, "hang", "requeued"), (7, 2, 6, 6, 1, "failed", "gave up"),
-        (7, 3, 6, 6, None, "not started", "gave up"), (8, 0, 6, 8, None, "lost", "Slurm's"),
-        (8, 1, 8, 8, 2, "bad input", "not retried")]
-    assert records[0]["excluded"] == "n2" and "excluded" not in records[1]
-    assert calls.read_text().splitlines() == ["scontrol show job -o 7", "sinfo -h -N -o %N", "scontrol update JobId=7 ExcNodeList=n2",
-                                              "scontrol requeue 7", "scontrol requeue 7"]
-    out = capsys.readouterr().out
-    assert "=== the training failed (exit code 137) at step 4 of 10: requeueing job 7 (restart 1 of --max-restarts 1 from this " \
-           "checkpoint), excluding node n2, which srun named ===" in out
-    assert "=== the training failed (exit code 1) at step 6 of 10: not requeued, 2 failed attempts since step 6 was " \
-           "checkpointed (--max-restarts 1) ===" in out
-    assert "=== gave up: 2 attempts failed since step 6 was checkpointed (--max-restarts 1); submit again for a new budget ===" in out
-    assert "=== job 8 restart 0 was lost (it never ended: its node failed?) ===" in out

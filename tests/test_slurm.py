@@ -26,8 +26,8 @@ from fbt_megatron.metrics import read_metrics
 from fbt_megatron.plan.planner import batch_fit
 from fbt_megatron.recipe import load_recipe
 from forked import run_commands
-from slurm_cluster import LocalSlurm, missing_binaries
-from test_train import SMALL, train_many
+from slurm_cluster import SlurmCluster, missing_binaries
+from test_train import SMALL
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
@@ -42,7 +42,7 @@ def slurm(tmp_path_factory):
         if os.environ.get("FBT_REQUIRE_SLURM"):
             pytest.fail(f"{problem} (FBT_REQUIRE_SLURM is set: .ci/run installs slurmctld slurmd slurm-client munge)")
         pytest.skip(f"{problem}: the loopback Slurm needs root and apt-get install slurmctld slurmd slurm-client munge")
-    cluster = LocalSlurm().start()
+    cluster = SlurmCluster().start()
     before = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.conf)  # for sbatch in the submit tool's processes
     yield cluster
@@ -190,7 +190,7 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
                      f"#SBATCH --output={tmp}/logs/tiny_cpu-%j.out", "#SBATCH --signal=B:USR1@180",
                      "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4", "#SBATCH --qos=high",
                      f"CONTAINER=(--container-image={IMAGE} --container-mounts={ROOT}:{ROOT},/data:/data", f"SAVE={save}",
-                     "MAX_RESTARTS=3", f"ATTEMPTS=(python3 {ROOT}/fbt_megatron/resilience/attempts.py)", '"${ATTEMPTS[@]}" end',
+                     "POLICY=(--max-restarts 3)", f"ATTEMPTS=(python3 {ROOT}/fbt_megatron/resilience/attempts.py)", '"${ATTEMPTS[@]}" end',
                      "--kill-on-bad-exit=1", "# (TP 1, CP 1: CUDA_DEVICE_MAX_CONNECTIONS not set)",
                      "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}", "export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}",
                      "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}$" "{PYTHONPATH:+:$PYTHONPATH}",
@@ -330,6 +330,45 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
     assert lines[-1].startswith(f"error: nothing submitted: {len(lines) - 1} problem")
 
 
+def test_the_retry_budget_counts_failures_and_stalled_stops_but_not_slurms_requeues(tmp_path, monkeypatch, capsys):
+    """``resilience/attempts.py`` on a run folder, outside Slurm (no scontrol is called on these
+    paths; requeues and exclusions are drilled on the real Slurm below): an attempt that never ended
+    is found lost at the next start and does not spend the budget; an attempt stopped by the time
+    limit before checkpointing a step spends it, so a job whose limit is too short for its first
+    checkpoint gives up instead of requeueing itself forever; a new submission has a budget of its
+    own; exit code 2 is never retried."""
+    from fbt_megatron.resilience import attempts
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    for restart in range(2):  # two starts that never said how they ended: their node failed
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        attempts.start(run)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    attempts.start(run)
+    assert [a.get("ended") for a in attempts.read(run)] == ["lost", "lost", None]
+    assert attempts.failures(attempts.read(run), 0) == 0  # Slurm's requeues: not failures
+    log = tmp_path / "job.out"
+    log.write_text("=== tiny: job 7 restart 2 on n[1-2] at ... ===\n")
+    code = attempts.end(run, 0, "limit", train_iters=8, max_restarts=0, log=log)  # stopped at step 0 again
+    last = attempts.read(run)[-1]
+    assert (code, last["ended"], last["next"], last["end_step"]) == (1, "stopped", "gave up", 0), last
+    assert ("=== stopped at step 0 of 8: not requeued, 1 of this job's attempts failed or stopped without a checkpoint "
+            "since step 0 was checkpointed (--max-restarts 0) ===") in capsys.readouterr().out
+    monkeypatch.setenv("SLURM_JOB_ID", "8")  # submitted again: a budget of its own
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    attempts.start(run)
+    assert attempts.failures(attempts.read(run), 0) == 0
+    assert attempts.end(run, 2, "", train_iters=8, max_restarts=3, log=log) == 2  # bad input: never retried
+    assert (attempts.read(run)[-1]["ended"], attempts.read(run)[-1]["next"]) == ("bad input", "not retried")
+    (run / attempts.TRACKER).write_text("8")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    attempts.start(run)
+    assert attempts.end(run, 0, "", train_iters=8, max_restarts=0, log=log) == 0
+    assert (attempts.read(run)[-1]["ended"], attempts.read(run)[-1]["start_step"]) == ("finished", 8)
+
+
 def training_worker(job: int, rank: int = 0):
     """The training process of ``rank`` in a torchrun job (its forked helpers share its environment)."""
     import psutil
@@ -346,9 +385,23 @@ def training_worker(job: int, rank: int = 0):
     return worker
 
 
+def torchrun_two(log: Path, flags: list) -> int:
+    """``python -m fbt_megatron.torchrun`` with 2 processes (--standalone) of the training, here."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    with open(log, "w") as out:
+        return subprocess.run([sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node=2", "--standalone", "-m",
+                               "fbt_megatron.train", "--recipe", str(TINY), *map(str, flags)], cwd=ROOT, env=env,
+                              stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
+
+
+def since_start(text: str, job: int, restart: int) -> str:
+    """The job's log from its ``restart``-th start on."""
+    return text[text.index(f"job {job} restart {restart} on"):]
+
+
 @pytest.mark.slow
 def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(slurm, small_corpus, tmp_path):
-    """Submitted through the submit tool (torchrun launch, one CPU process): ``scontrol requeue``
+    """Submitted through the submit tool (torchrun launch, 2 nodes × 1 CPU process): ``scontrol requeue``
     mid-run (SIGTERM from Slurm), then USR1 to the batch shell as ``--signal=B:USR1@S`` sends it S
     seconds before the time limit (sent with scancel: Slurm's own timer checks every 30 s, its
     minimum --time is a minute). Each time the training checkpoints at the next step boundary, the
@@ -356,7 +409,10 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
     The time-limit stop outlasts torchrun's own kill timeout (1 s here: TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
     which this torch reads; 30 s by default, a full-size save takes longer): the worker is held
     stopped (SIGSTOP) for 3 s after it got SIGTERM, is alive then, and saves a complete checkpoint;
-    the attempt ends with exit code 0."""
+    the attempt ends with exit code 0. Drill e of issue 44: rank 1 is a straggler (``--inject-fault
+    slow@1:1``: 1 s more in each of steps 1-10); the log, metrics.jsonl and jobs.jsonl name it with
+    its node, and with ``--exclude-stragglers`` the restart after the time-limit stop runs without
+    that node."""
     from torch.distributed.launcher.api import LaunchConfig
 
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
@@ -365,18 +421,18 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
     finally:
         del os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
     began = time.time()
-    steps = 48  # the signals reach the job within its first dozen steps, whatever the machine's load
-    flags = [*SMALL, "--train-iters", steps, "--eval-interval", 12]
+    steps = 24  # the signals reach the job within its first dozen steps (rank 1 is slow in steps 1-10)
+    data = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null", "--threads", "1"]
+    flags = [*SMALL, "--train-iters", steps, "--eval-interval", 12, *data, "--inject-fault", "slow@1:1"]
     reference, ref_run = [], tmp_path / "uninterrupted"
-    uninterrupted = threading.Thread(target=lambda: reference.extend(
-        train_many([(tmp_path / "uninterrupted.log", [*flags, "--save", ref_run])], corpus=small_corpus)))
+    uninterrupted = threading.Thread(target=lambda: reference.append(
+        torchrun_two(tmp_path / "uninterrupted.log", [*flags, "--save", ref_run])))
     uninterrupted.start()  # the other CPU core
 
-    data = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null", "--threads", "1"]
-    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0",
-                                               "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"),
+    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0",
+                                               "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"), "--exclude-stragglers",
                                                "--env", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1",
-                                               "--log-dir", str(tmp_path / "logs"), "--", *map(str, flags), *data]])
+                                               "--log-dir", str(tmp_path / "logs"), "--", *map(str, flags)]])
     assert code == 0, output
     [job] = job_ids(output)
     run, log = tmp_path / "runs" / "tiny_cpu", tmp_path / "logs" / f"tiny_cpu-{job}.out"
@@ -416,39 +472,41 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
     assert [(s["ended"], s["next"]) for s in records] == [("stopped by Slurm", "Slurm's"), ("stopped", "requeued"),
                                                          ("finished", "done")], records
     assert records[1]["exit_code"] == 0, records  # the launcher's clean stop (plain torchrun: 143 after killing it)
+    slow = records[1]["rank_nodes"][1]  # the straggler's node
+    assert {(s["rank"], s["node"]) for s in records[1]["stragglers"]} == {(1, slow)}, records[1]
+    assert records[1]["excluded"] == [slow] and slow not in records[2]["rank_nodes"], records
+    assert f"requeueing job {job}, excluding node {slow} (a straggler) ===" in text, text[-3000:]
+    assert re.search(rf"^step \d+: straggler rank 1 on node {slow} \(", text, flags=re.M), text[-3000:]
+    named = [r["step"] for r in read_metrics(run) if any(s["rank"] == 1 for s in r.get("stragglers", []))]
+    assert named and set(named) <= set(range(1, 11)), named  # the slow steps, and no others
+    assert "frame #" not in since_start(text, job, 2), text[-3000:]  # no C++ frames in a success
 
-    [(ref_code, ref_text)] = reference
-    assert ref_code == 0, ref_text[-3000:]
+    assert reference == [0], (tmp_path / "uninterrupted.log").read_text()[-3000:]
     expected, got = read_metrics(ref_run), read_metrics(run)
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "valid_loss_fused0", "valid_loss_fused2"]
     assert sum("valid_loss_fused2" in r for r in got) == steps // 12
     for e, g in zip(expected, got):
         assert {k: e.get(k) for k in keys} == {k: g.get(k) for k in keys}, (e, g)  # bitwise: == on floats
-    print(f"\nslurm job {job} ({steps} steps of tiny_cpu, torchrun launch): scontrol requeue at step {requeued_at} → "
+    print(f"\nslurm job {job} ({steps} steps of tiny_cpu, 2 nodes, torchrun launch): scontrol requeue at step {requeued_at} → "
           f"restart 1 resumed from step {resumes[1]}; USR1 (the time-limit signal) at step {signalled_at}, its save held "
-          f"3 s against torchrun's 1 s kill timeout → restart 2 resumed from step {resumes[2]}; finished; losses of all {steps} steps equal the uninterrupted run's bit for bit "
+          f"3 s against torchrun's 1 s kill timeout → restart 2 resumed from step {resumes[2]} without the straggler's node {slow}; finished; losses of all {steps} steps equal the uninterrupted run's bit for bit "
           f"(last {got[-1]['loss']!r}); {time.time() - began:.0f} s")
 
 
-def torchrun_two(log: Path, flags: list) -> int:
-    """``python -m fbt_megatron.torchrun`` with 2 processes (--standalone) of the training, here."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    with open(log, "w") as out:
-        return subprocess.run([sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node=2", "--standalone", "-m",
-                               "fbt_megatron.train", "--recipe", str(TINY), *map(str, flags)], cwd=ROOT, env=env,
-                              stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
-
-
 @pytest.mark.slow
-def test_a_crashed_rank_is_requeued_and_resumes_bit_for_bit_and_bad_input_is_not_retried(slurm, small_corpus, tmp_path):
-    """Two processes on the one node (torchrun launch, ``--procs-per-node 2``), ``--inject-fault
-    crash@5:1``: rank 1 dies as kill -9 kills it at step 5, after the checkpoint of step 4. The job
-    requeues itself (within ``--max-restarts 1``; srun names the node, which is not excluded: the
-    cluster has no other), resumes from step 4 (the fault fired once: the run folder recorded it)
-    and logs the losses of an uninterrupted run of two processes bit for bit. Every attempt is one
-    line of jobs.jsonl. Then a job (one task, ``--launch tasks``) whose recipe went bad after
-    submitting (held, edited, released) fails with exit code 2 and is not retried, in one line."""
+def test_a_crash_and_a_hang_on_two_nodes_exclude_their_node_and_resume_bit_for_bit(slurm, small_corpus, tmp_path):
+    """Drills a, b and d of issue 44 on three nodes, one job of 2 nodes × 1 process (torchrun
+    launch) with ``--inject-fault crash@3:1 --inject-fault hang@6:1``. Its first start on two nodes
+    trains as 2 processes on one node do (steps 1-2 bit for bit); rank 1 dies as kill -9 kills it
+    at step 3: the attempt's exit code is that rank's (137, not the survivors' 143), its node is
+    excluded (the job requeued held, updated, released: Slurm takes ``ExcNodeList`` from a pending job
+    only) and the restart runs on the spare node. There rank 1 hangs at step 6: the watchdog on both
+    nodes writes their stacks, names the stuck rank and its node, exit 124; that node is not excluded
+    (the partition has no third node to spare) and the job resumes and finishes. All 8 steps' losses
+    equal an uninterrupted run of 2 processes on one node bit for bit; jobs.jsonl has each attempt's
+    nodes per rank. Then a job (one task, ``--launch tasks``) whose recipe went bad after submitting
+    (held, edited, released) fails with exit code 2 and is not retried, in one line."""
     began = time.time()
     flags = [*SMALL, "--save-interval", 2, "--threads", 1, "--data-path", Path(small_corpus.train_prefix).parent, "--corpus", "null"]
     reference = []
@@ -456,35 +514,46 @@ def test_a_crashed_rank_is_requeued_and_resumes_bit_for_bit_and_bad_input_is_not
         torchrun_two(tmp_path / "uninterrupted.log", [*flags, "--save", tmp_path / "uninterrupted"])))
     uninterrupted.start()  # the other CPU core
 
-    common = ["--nodes", "1", "--gpus-per-node", "0", "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"),
-              "--log-dir", str(tmp_path / "logs"), "--max-restarts", "1"]
-    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), *common, "--procs-per-node", "2", "--",
-                                               *map(str, flags), "--inject-fault", "crash@5:1"]])
+    common = ["--gpus-per-node", "0", "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"),
+              "--log-dir", str(tmp_path / "logs"), "--max-restarts", "2"]
+    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), "--nodes", "2", *common, "--",
+                                               *map(str, flags), "--inject-fault", "crash@3:1", "--inject-fault", "hang@6:1",
+                                               "--hang-timeout-minutes", "0.3"]])
     assert code == 0, output
     [job] = job_ids(output)
     run, log = tmp_path / "runs" / "tiny_cpu", tmp_path / "logs" / f"tiny_cpu-{job}.out"
-    slurm.wait_for(job, {"COMPLETED"}, restarts=1)
+    slurm.wait_for(job, {"COMPLETED"}, restarts=2, timeout=600)
     uninterrupted.join()
     text = log.read_text()
     attempts = starts(run)
-    assert [(a["job_id"], a["restart_count"], a["start_step"], a["end_step"], a["exit_code"], a["ended"], a["next"])
-            for a in attempts] == [(job, 0, 0, 4, 137, "failed", "requeued"), (job, 1, 4, 8, 0, "finished", "done")], attempts
-    assert ("=== the training failed (exit code 137) at step 4 of 8: requeueing job "
-            f"{job} (restart 1 of --max-restarts 1 from this checkpoint); srun named node localhost, not excluded: the "
-            "partition has no node to spare ===") in text, text[-3000:]
-    assert "--inject-fault crash@5:1: rank 1 dies (SIGKILL) at the start of step 5" in text
-    assert text.count("--inject-fault crash@5:1") == 1 and "=== finished: step 8 of 8" in text, text[-3000:]
-    assert text.count(f"=== environment: the job's Python {sys.executable}: python ") == 2, text[-3000:]  # each start's first step
+    assert [(a["restart_count"], a["start_step"], a["end_step"], a["exit_code"], a["ended"], a["next"]) for a in attempts] == [
+        (0, 0, 2, 137, "failed", "requeued"), (1, 2, 4, 124, "hang", "requeued"), (2, 4, 8, 0, "finished", "done")], attempts
+    crashed, hung = attempts[0]["rank_nodes"][1], attempts[1]["rank_nodes"][1]
+    assert sorted(attempts[0]["rank_nodes"]) == ["n1", "n2"] and attempts[0]["failed_task"]["node"] == crashed, attempts
+    assert attempts[0]["excluded"] == [crashed] and crashed not in attempts[1]["rank_nodes"] + attempts[2]["rank_nodes"]
+    assert attempts[1]["stuck_nodes"] == [hung] and "excluded" not in attempts[1], attempts
+    assert (f"=== the training failed (exit code 137) at step 2 of 8: requeueing job {job} (restart 1 of --max-restarts 2 "
+            f"from this checkpoint), excluding node {crashed} (srun named) ===") in text, text[-3000:]
+    assert (f"=== the training failed (exit code 124: a hang, stacks in {run}/hang) at step 4 of 8: requeueing job {job} "
+            f"(restart 1 of --max-restarts 2 from this checkpoint); node {hung} (stuck) not excluded: the partition has no "
+            "node to spare ===") in text, text[-3000:]
+    [hang_line] = [line for line in text.splitlines() if line.startswith("hang: ")]
+    assert f"rank 1 on {hung} stuck outside a collective" in hang_line and "rank 0 on " in hang_line, hang_line
+    stacks = {r: (run / "hang" / f"rank{r}.txt").read_text().splitlines()[0] for r in (0, 1)}
+    assert [stacks[r].startswith(f"rank {r} (node {attempts[1]['rank_nodes'][r]}, pid ") for r in (0, 1)] == [True, True], stacks
+    assert text.count("--inject-fault crash@3:1: rank 1 dies") == 1 and "=== finished: step 8 of 8" in text, text[-3000:]
+    assert "frame #" not in since_start(text, job, 2), text[-3000:]  # no C++ frames in a success
     assert reference == [0], (tmp_path / "uninterrupted.log").read_text()[-3000:]
     keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "valid_loss_fused0", "valid_loss_fused2"]
     expected, got = read_metrics(tmp_path / "uninterrupted"), read_metrics(run)
     assert [r["step"] for r in got] == list(range(1, 9))
     assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in expected]  # bitwise
-    crashed = time.time() - began
+    drilled = time.time() - began
 
     recipe = tmp_path / "edited.yaml"
     recipe.write_text(TINY.read_text())
-    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(recipe), *common, "--launch", "tasks", "--name", "edited",
+    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(recipe), "--nodes", "1", *common, "--launch", "tasks",
+                                               "--name", "edited",
                                                "--sbatch-option=--hold", "--", *map(str, flags)]])
     assert code == 0, output
     [bad] = job_ids(output)
@@ -498,9 +567,63 @@ def test_a_crashed_rank_is_requeued_and_resumes_bit_for_bit_and_bad_input_is_not
     assert verdict == ["=== the training failed with exit code 2 at step 0 of 8: bad input (the error: line above), which a "
                        "restart cannot fix: not retried ==="], bad_log[-3000:]
     assert [(a["ended"], a["next"]) for a in starts(tmp_path / "runs" / "edited")] == [("bad input", "not retried")]
-    print(f"\nslurm job {job} (2 processes, crash@5:1): attempts {[(a['start_step'], a['end_step'], a['ended']) for a in attempts]}; "
-          f"losses of all 8 steps equal the uninterrupted run's bit for bit (last {got[-1]['loss']!r}); {crashed:.0f} s. "
+    print(f"\nslurm job {job} (2 nodes, crash@3:1, hang@6:1): attempts "
+          f"{[(a['rank_nodes'], a['start_step'], a['end_step'], a['exit_code'], a['ended'], a.get('excluded')) for a in attempts]}; "
+          f"{hang_line}; losses of all 8 steps equal the uninterrupted run's bit for bit (last {got[-1]['loss']!r}); {drilled:.0f} s. "
           f"Job {bad} (recipe edited after submitting): exit 2, not retried; {time.time() - began:.0f} s in all")
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_run_is_requeued_by_slurm_onto_the_nodes_left_and_resumes_bit_for_bit(slurm, small_corpus, tmp_path):
+    """Drill c of issue 44: a 2-node job (torchrun launch) loses its batch host — its slurmd and
+    every process on it SIGKILLed, as a power loss would — after its first checkpoints. Nobody is
+    left to record the attempt: Slurm marks the node down (``SlurmdTimeout``, 20 s here) and
+    requeues the job (``--requeue``) onto the two nodes left, which resume from the last checkpoint.
+    The next start records the attempt as lost, Slurm's requeue, not counted against the budget
+    (``--max-restarts 0``). All 16 steps' losses equal an uninterrupted run of 2 processes on one
+    node bit for bit. (``slow@3:0`` — rank 0 sleeps 1 s in each of steps 3-12, as a straggler — keeps
+    the job running long enough to be killed mid-run whatever the machine's load; the losses are
+    not touched by it.)"""
+    began = time.time()
+    flags = [*SMALL, "--train-iters", 16, "--save-interval", 2, "--threads", 1, "--data-path",
+             Path(small_corpus.train_prefix).parent, "--corpus", "null", "--inject-fault", "slow@3:0"]
+    reference = []
+    uninterrupted = threading.Thread(target=lambda: reference.append(
+        torchrun_two(tmp_path / "uninterrupted.log", [*flags, "--save", tmp_path / "uninterrupted"])))
+    uninterrupted.start()
+    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0",
+                                               "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"), "--log-dir",
+                                               str(tmp_path / "logs"), "--max-restarts", "0", "--", *map(str, flags)]])
+    assert code == 0, output
+    [job] = job_ids(output)
+    run, log = tmp_path / "runs" / "tiny_cpu", tmp_path / "logs" / f"tiny_cpu-{job}.out"
+    host = slurm.wait_for(job, {"RUNNING"})["BatchHost"]
+    wait_until(lambda: (run / "iter_0000004").is_dir() and last_step(run) >= 5, f"job {job} made no checkpoint: "
+               + (log.read_text() if log.exists() else ""))
+    killed_at = last_step(run)
+    slurm.kill_node(host)
+    try:
+        slurm.wait_for(job, {"COMPLETED"}, restarts=1, timeout=400)
+    finally:
+        slurm.start_node(host)  # back for the other tests (ReturnToService=2)
+    slurm.wait_for_nodes("idle", [host])
+    uninterrupted.join()
+    text = log.read_text()
+    attempts = starts(run)
+    assert [(a["restart_count"], a["ended"], a["next"]) for a in attempts] == [(0, "lost", "Slurm's"), (1, "finished", "done")]
+    assert host in slurm._run("scontrol", "show", "hostnames", attempts[0]["nodes"]).split(), attempts
+    assert host not in attempts[1]["rank_nodes"], attempts
+    assert 4 <= attempts[1]["start_step"] <= killed_at, (attempts, killed_at)
+    assert f"=== job {job} restart 0 was lost (it never ended: its node failed?) ===" in text, text[-3000:]
+    assert reference == [0], (tmp_path / "uninterrupted.log").read_text()[-3000:]
+    keys = ["k", "loss", "pass_losses", "state_deltas", "lr", "grad_norm", "valid_loss_fused0", "valid_loss_fused2"]
+    expected, got = read_metrics(tmp_path / "uninterrupted"), read_metrics(run)
+    assert [r["step"] for r in got] == list(range(1, 17))
+    assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in expected]  # bitwise
+    print(f"\nslurm job {job} (2 nodes): batch host {host} killed at step {killed_at} → Slurm requeued the job onto "
+          f"{attempts[1]['nodes']}, resumed from step {attempts[1]['start_step']}, finished; jobs.jsonl "
+          f"{[(a['nodes'], a['ended'], a['next']) for a in attempts]}; losses of all 16 steps equal the uninterrupted run's "
+          f"bit for bit; {time.time() - began:.0f} s")
 
 
 @pytest.mark.slow
@@ -541,15 +664,15 @@ STAGES = ["tiny_cpu", "longctx_tiny_cpu", "sft_tiny_cpu"]  # pretrain (128 token
 
 @pytest.mark.slow
 def test_chained_stages_run_through_slurm_then_export_and_evaluation(slurm, tmp_path):
-    """``submit --chain``: three tiny stages (the one-task-per-GPU launch: one CPU task, no
-    torchrun), each job after the previous one (afterok) and starting from its final weights, then
-    the export + evaluation job."""
+    """``submit --chain``: three tiny stages on 2 nodes (drill g of issue 44; the one-task-per-GPU
+    launch: one CPU task per node, no torchrun), each job after the previous one (afterok) and
+    starting from its final weights, then the export + evaluation job (one node)."""
     began = time.time()
     recipes = [str(ROOT / "recipes" / f"{name}.yaml") for name in STAGES]
     runs, logs = tmp_path / "runs", tmp_path / "logs"
-    flags = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "2", "--log-interval", "1",
+    flags = ["--train-iters", "4", "--micro-batch-size", "1", "--global-batch-size", "2", "--log-interval", "1",
              "--eval-interval", "4", "--eval-iters", "1", "--threads", "1"]
-    [(code, output)] = submit_many(tmp_path, [["submit", "--chain", *recipes, "--nodes", "1", "--gpus-per-node", "0",
+    [(code, output)] = submit_many(tmp_path, [["submit", "--chain", *recipes, "--nodes", "2", "--gpus-per-node", "0",
                                                "--time", "00:10:00", "--launch", "tasks", "--runs-root", str(runs), "--log-dir", str(logs),
                                                "--eval-args=--modes standard --limit 2 --threads 1", "--", *flags]])
     assert code == 0, output
@@ -562,7 +685,8 @@ def test_chained_stages_run_through_slurm_then_export_and_evaluation(slurm, tmp_
     losses = {}
     for name, job in zip(STAGES, jobs):
         text = (logs / f"{name}-{job}.out").read_text()
-        assert f"=== finished: step 4 of 4" in text, text[-3000:]
+        assert "=== finished: step 4 of 4" in text and "world 2 (tp 1, pp 1, cp 1, dp 2)" in text, text[-3000:]
+        assert len(set(starts(runs / name)[0]["rank_nodes"])) == 2, starts(runs / name)  # one rank on each of 2 nodes
         losses[name] = [round(r["loss"], 4) for r in read_metrics(runs / name)]
         assert len(losses[name]) == 4
     for name, previous in zip(STAGES[1:], STAGES):
@@ -579,8 +703,9 @@ def test_chained_stages_run_through_slurm_then_export_and_evaluation(slurm, tmp_
 @pytest.mark.slow
 def test_a_corpus_prepared_as_a_job_array_merges_into_what_one_process_writes(slurm, small_corpus, tmp_path):
     """``python -m fbt_megatron.slurm prepare`` for real: a job array of 2 shards of 3 JSONL files
-    (one CPU each: both at once on the 2-core node) and the merge job after it (afterok); the merged
-    .bin/.idx are byte for byte what one ``preprocess_data`` process writes from all the inputs."""
+    (each task a whole node: drill f of issue 44, the shards on two nodes) and the merge job after it
+    (afterok); the merged .bin/.idx are byte for byte what one ``preprocess_data`` process writes from
+    all the inputs."""
     import sysconfig
 
     from fbt_megatron.data.preprocess import preprocess
@@ -595,7 +720,7 @@ def test_a_corpus_prepared_as_a_job_array_merges_into_what_one_process_writes(sl
     tokenizer = small_corpus.tokenizer_path
     [(code, output)] = submit_many(tmp_path, [["prepare", "--input", str(inputs / "part-*.jsonl"), "--tokenizer", tokenizer,
                                                "--output-prefix", str(out / "web"), "--shards", "2", "--time", "00:10:00",
-                                               "--cpus-per-task", "1", "--log-dir", str(logs)]])
+                                               "--log-dir", str(logs)]])
     assert code == 0, output
     array, merge = job_ids(output)
     assert slurm.job(merge)["Dependency"] in (f"afterok:{array}_*(unfulfilled)", "(null)")  # (null) once it ran
@@ -603,12 +728,14 @@ def test_a_corpus_prepared_as_a_job_array_merges_into_what_one_process_writes(sl
     shards = [(logs / f"prepare-web-{array}_{i}.out").read_text() for i in range(2)]
     for i, text in enumerate(shards):
         assert f"{out}/web_shard-{i:05d}-of-00002.bin/.idx: " in text, text[-3000:]
+    nodes = [re.search(r" of 2 on (n\d) at ", text)[1] for text in shards]
+    assert len(set(nodes)) == 2, nodes
     merged = (logs / f"prepare-web-merge-{merge}.out").read_text()
     assert f"{out}/web.bin/.idx: 2 prefixes merged, 30 documents" in merged, merged[-3000:]
 
     one = preprocess([str(inputs / "part-*.jsonl")], tokenizer, str(tmp_path / "one"), workers=1, show_progress=False)
     for ext in (".bin", ".idx"):
         assert (out / f"web{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes(), ext
-    print(f"\nslurm prepare: array job {array} (2 shards) then merge job {merge} (afterok): {out}/web.bin/.idx "
+    print(f"\nslurm prepare: array job {array} (2 shards, on nodes {nodes}) then merge job {merge} (afterok): {out}/web.bin/.idx "
           f"byte-identical to one process's ({one['documents']} documents, {one['tokens']:,} tokens); "
           f"{time.time() - began:.0f} s")

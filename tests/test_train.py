@@ -1,5 +1,5 @@
 """The training entry point as users run it (``python -m fbt_megatron.train``, real processes):
-exact resume, and one clear error line for each kind of bad input."""
+exact resume, one clear error line for each kind of bad input, validation at its own interval."""
 
 import hashlib
 import shutil
@@ -91,6 +91,7 @@ def test_bad_inputs_stop_with_one_line_and_damage_nothing(tmp_path, small_corpus
         "finished run": (["--load", str(run), "--train-iters", "3"], "not before --train-iters 3"),
         "prepared --data-path without --corpus null": (["--corpus", "stdlib"], "add --corpus null"),
         "unknown flag": (["--train-iter", "3"], "unknown flag --train-iter: did you mean --train-iters?"),
+        "a fault that never fires": (["--inject-fault", "crash@2:9"], "'crash@2:9': rank 9 is not in this run's world of 1 process"),
     }
     results = train_many([(tmp_path / f"bad{i}.log", [*SMALL, *flags]) for i, (flags, _) in enumerate(cases.values())],
                          corpus=small_corpus)
@@ -99,6 +100,18 @@ def test_bad_inputs_stop_with_one_line_and_damage_nothing(tmp_path, small_corpus
         assert code == 2 and len(errors) == 1 and message in errors[0], (name, text[-2000:])
         assert "Traceback" not in text, name
     assert tree_hash(run) == before  # the run folder the bad commands pointed at is untouched
+
+
+@pytest.mark.slow
+def test_validation_runs_at_its_own_interval(tmp_path, small_corpus):
+    """--log-interval 4 --eval-interval 6: validation after steps 6 and 12 (not only at 12, the
+    first logged step at a multiple of 6); step 6 is logged for it."""
+    train(tmp_path / "run.log", *SMALL, "--log-interval", "4", "--eval-interval", "6", "--train-iters", "12", "--save",
+          tmp_path / "run", corpus=small_corpus)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [4, 6, 8, 12]
+    assert [r["step"] for r in records if "valid_loss_fused0" in r] == [6, 12]
+    assert all(len([k for k in r if k.startswith("valid_loss_fused")]) == 3 for r in records if r["step"] in (6, 12))
 
 
 @pytest.mark.slow

@@ -1,11 +1,12 @@
 """``<save>/heartbeat.json``: where a run is, for a cluster monitor that cannot read its log.
 
 ``{"step", "train_iters", "tokens", "time" (Unix seconds), "time_utc", "last_checkpoint"
-("iter_000000N" or null), "pid", "host"}``, written by one rank (the logging one) after a step at
-most every ``--heartbeat-interval`` seconds (0: every step) and at the end, atomically (a temporary
-file renamed over the old one): a reader sees the previous heartbeat or the new one, whole. A
-monitor that finds ``time`` older than a few intervals (and no ``exit_status.json`` newer than it)
-has found a stalled run.
+("iter_000000N" or null), "pid", "host"}``, written by one rank (the logging one) after a step and
+its checkpoint, if one was due (``last_checkpoint`` is the newest complete one, that step's own when
+it saved), at most every ``--heartbeat-interval`` seconds (0: every step) and at the end, atomically
+(``write_whole``): a reader sees the previous heartbeat or the new one, whole. A monitor that finds
+``time`` older than a few intervals (and no ``exit_status.json`` newer than it) has found a stalled
+run.
 """
 
 from __future__ import annotations
@@ -20,14 +21,26 @@ from typing import Optional
 HEARTBEAT = "heartbeat.json"
 
 
+def write_whole(path: Path, text: str) -> None:
+    """``path`` holds ``text``, replaced at once: a temporary file beside it (one per process) renamed
+    over it, so a reader sees the old content or the new one, whole."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no temporary left behind
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def read_heartbeat(folder) -> Optional[dict]:
     path = Path(folder) / HEARTBEAT
     return json.loads(path.read_text()) if path.is_file() else None
 
 
 class Heartbeat:
-    """``beat(state)`` after each step: rewrites the file when ``interval`` seconds have passed
-    since the last write (or ``force``)."""
+    """``beat(state)`` after each step and its checkpoint: rewrites the file when ``interval``
+    seconds have passed since the last write (or ``force``)."""
 
     def __init__(self, folder: Optional[str], interval: float, train_iters: int, active: bool = True):
         self.path = Path(folder) / HEARTBEAT if folder is not None and active else None
@@ -45,6 +58,4 @@ class Heartbeat:
                   "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
                   "last_checkpoint": checkpointing.checkpoint_dir(self.path.parent, saved).name if saved is not None else None,
                   "pid": os.getpid(), "host": socket.gethostname()}
-        tmp = self.path.with_name(f"{HEARTBEAT}.tmp")
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, self.path)
+        write_whole(self.path, json.dumps(record) + "\n")

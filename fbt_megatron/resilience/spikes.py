@@ -18,7 +18,7 @@ as spikes after half a window. ``--spike-policy``:
   back to, or once they are used up, a spike is skipped instead.
 
 Every spike is one line (on the logger rank) and counted (``spikes``, ``rewinds`` in the train
-state, the log records and ``exit_status.json``). The spike drill: ``--inject-fault spike@6``.
+state, the log records and ``exit_status.json``). The spike drill: ``--inject-fault spike@6 --spike-window 4``.
 """
 
 from __future__ import annotations

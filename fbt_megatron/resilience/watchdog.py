@@ -41,12 +41,13 @@ import contextlib
 import faulthandler
 import json
 import os
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import List, NamedTuple, Optional
+
+from fbt_megatron.platform import node_name
 
 HANG_EXIT = 124
 GRACE_S = 20.0  # how long the first rank waits for the others' files
@@ -200,7 +201,7 @@ class Watchdog:
             print(f"hang watchdog: rank {self.rank}: no collective counts ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
             groups = {}
         issued = ", ".join(f"{g['group']} {g['issued']}" for g in groups.values() if g["issued"]) or "none"
-        head = (f"rank {self.rank} (host {socket.gethostname()}, pid {os.getpid()}): no step progress for {idle:.0f} s "
+        head = (f"rank {self.rank} (node {node_name()}, pid {os.getpid()}): no step progress for {idle:.0f} s "
                 f"after step {self.step}; main thread at {where}, {'inside' if in_call else 'outside'} a torch.distributed "
                 f"call; collectives issued: {issued}\n")
         if self.folder is None:
@@ -221,8 +222,8 @@ class Watchdog:
         if trace is not None:
             with _replacing(self.folder / f"{FLIGHT_RECORDER}{self.rank}", "wb") as f:
                 f.write(trace)
-        report = {"rank": self.rank, "step": self.step, "idle_s": round(idle), "where": where, "in_call": in_call,
-                  "groups": groups}
+        report = {"rank": self.rank, "node": node_name(), "step": self.step, "idle_s": round(idle), "where": where,
+                  "in_call": in_call, "groups": groups}
         with _replacing(self.folder / f"rank{self.rank}.json", "w") as f:  # last: this rank has reported
             json.dump(report, f)
         reports = self._gather()
@@ -270,11 +271,11 @@ class Watchdog:
             if hang.evidence is not None:
                 group, n, more = hang.evidence
                 where += f"; {n} collectives issued on {group}, {_ranks(sorted(more))} {max(more.values())}"
-            parts.append(f"{_ranks(hang.stuck)} stuck outside a collective ({where})")
+            parts.append(f"{_ranks(hang.stuck, reports)} stuck outside a collective ({where})")
         if hang.silent:
             parts.append(f"{_ranks(hang.silent)} wrote no stacks (stuck holding the interpreter, or gone)")
         if hang.waiting:
-            parts.append(f"{_ranks(hang.waiting)} waiting in a collective")
+            parts.append(f"{_ranks(hang.waiting, reports)} waiting in a collective")
         return (f"hang: no step progress for {reports[min(reports)]['idle_s']} s after step {_step(reports)} (--hang-timeout-minutes "
                 f"{self.timeout_s / 60:g}): {'; '.join(parts)}; stacks in {self.folder}/rank*.txt; exit {HANG_EXIT}: a "
                 "restart (--load) resumes from the last checkpoint")
@@ -304,5 +305,7 @@ def _step(reports: dict) -> int:
     return min(r["step"] for r in reports.values())
 
 
-def _ranks(ranks: list) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+def _ranks(ranks: list, reports: Optional[dict] = None) -> str:
+    """``rank 1`` / ``ranks 0, 2``; with their reports, each rank's node: ``rank 1 on n2``."""
+    on = {r: f" on {reports[r]['node']}" for r in ranks if reports and "node" in reports.get(r, {})}
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(f"{r}{on.get(r, '')}" for r in ranks)

@@ -93,8 +93,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--procs-per-node", type=int, default=1, metavar="N",
                    help="training processes per node with --gpus-per-node 0 (CPU; default 1)")
     s.add_argument("--max-restarts", type=int, default=3, metavar="N",
-                   help="requeue a failed job (a crash, a killed rank, a hang, a lost node) up to N times from one "
-                        "checkpoint; exit code 2 (bad input) is never retried (default 3)")
+                   help="requeue a failed job (a crash, a killed rank, a hang) up to N times from one checkpoint, "
+                        "away from the failed node where the partition has one to spare; exit code 2 (bad input) is "
+                        "never retried; a node lost is Slurm's requeue, not counted (default 3)")
+    s.add_argument("--exclude-stragglers", action="store_true",
+                   help="also keep the nodes the training named as stragglers (--straggler-threshold) out of the "
+                        "job's next start")
     s.add_argument("--launch", choices=script.LAUNCHES, default="torchrun",
                    help="torchrun: one task per node running torchrun; tasks: one task per GPU (default torchrun)")
     s.add_argument("--signal-margin", type=int, default=180, metavar="SECONDS",
@@ -202,7 +206,8 @@ def run_submit(args, train_flags) -> int:
     check.problems += preflight.environment_problems(res, sys.executable)
     preflight.refuse_on(check, "; the flags of one stage of a chain: --stage-args STAGE='FLAGS'" if args.chain else "")
     eval_args = shlex.split(args.eval_args or "") if args.chain else None
-    submit.submit(stages, res, args.launch, args.signal_margin, eval_args, runs_root, args.dry_run, args.max_restarts)
+    submit.submit(stages, res, args.launch, args.signal_margin, eval_args, runs_root, args.dry_run,
+                  script.Retries(args.max_restarts, args.exclude_stragglers))
     return 0
 
 

@@ -12,6 +12,13 @@ launcher with that worker's exit code (128 + the signal that killed it), not tor
 script tells bad input (2) and a hang (124) from a crash by it (``resilience.attempts``). A
 torchrun too old for ``--signals-to-handle`` keeps its own 30 s and ends with 128 + the signal.
 
+torchrun's agent itself logs C++ warnings with every frame of their stack: at the end of each
+multi-node job, when the node that hosted the rendezvous store has left before another node's agent
+closed its rendezvous (torch's ``dynamic_rendezvous`` then says so in one line of its own). The
+job script starts the launcher with ``TORCH_CPP_LOG_LEVEL=ERROR`` (read once, when torch loads) and
+the level its workers should have in ``FBT_WORKER_CPP_LOG_LEVEL`` (the submitting shell's, else
+torch's default WARNING), which the launcher gives back to the workers' environment.
+
 ``tasks``: one Slurm task per GPU, no torchrun (``python -m fbt_megatron.slurm task ARGS``: the
 training's command line). megatron-core 0.16 and torch.distributed read only torch's names, so
 each task exports RANK, WORLD_SIZE and LOCAL_RANK from Slurm's, then becomes the training process
@@ -34,6 +41,7 @@ import os
 import sys
 from typing import List, NoReturn
 
+WORKER_CPP_LOG_LEVEL = "FBT_WORKER_CPP_LOG_LEVEL"  # the workers' TORCH_CPP_LOG_LEVEL (the agent's is ERROR)
 TORCH_FROM_SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
 
 
@@ -59,4 +67,6 @@ def torchrun(argv: List[str]) -> int:
     if argv[:1] != ["--stop-timeout"] or len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
         raise ValueError(f"python -m fbt_megatron.slurm torchrun: expected --stop-timeout SECONDS (1 or more) before "
                          f"torchrun's arguments, got {' '.join(argv[:2]) or 'nothing'}")
+    if WORKER_CPP_LOG_LEVEL in os.environ:  # the agent's own level is set; the workers get theirs
+        os.environ["TORCH_CPP_LOG_LEVEL"] = os.environ.pop(WORKER_CPP_LOG_LEVEL)
     return run_torchrun(argv[2:], stop_timeout=int(argv[1]))

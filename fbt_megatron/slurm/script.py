@@ -162,9 +162,21 @@ def image_check(stage: Stage, res: Resources) -> str:
     return quoted([REPOSITORY / "fbt_megatron" / "slurm" / "image_check.py", *args])
 
 
+@dataclass(frozen=True)
+class Retries:
+    """What a training job does after an attempt failed (``resilience/attempts.py``): requeue it up to
+    ``max_restarts`` times from one checkpoint, away from the failed node, and with
+    ``exclude_stragglers`` away from the nodes the training named as stragglers too."""
+    max_restarts: int = 3
+    exclude_stragglers: bool = False
+
+    def args(self) -> List[str]:
+        return ["--max-restarts", str(self.max_restarts), *(["--exclude-stragglers"] if self.exclude_stragglers else [])]
+
+
 def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: int, workdir: Path, python: str,
-                    max_restarts: int) -> str:
-    """The job of one stage; failed attempts are requeued up to ``max_restarts`` times from one checkpoint."""
+                    retries: Retries) -> str:
+    """The job of one stage, requeued after a failure as ``retries`` says."""
     procs = res.procs_per_node
     # the attempts' record and retry budget runs in the batch shell: outside a container, its python3
     attempts = ["python3" if res.container_image else res.python(python),
@@ -175,7 +187,7 @@ def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: i
         workdir=shlex.quote(str(workdir)), launch=launch, procs_per_node=procs, save=shlex.quote(str(stage.save)),
         train_iters=stage.train_iters, train_args=quoted(stage.train_args()), container=res.container(workdir),
         python=res.python(python), environment=res.exports(), repository=shlex.quote(str(REPOSITORY)),
-        max_restarts=max_restarts, attempts=" ".join(attempts), image_check=image_check(stage, res), stop_seconds=stop_seconds(signal_seconds),
+        policy=quoted(retries.args()), attempts=" ".join(attempts), image_check=image_check(stage, res), stop_seconds=stop_seconds(signal_seconds),
         device_connections=device_connections(stage.config),
     )
 

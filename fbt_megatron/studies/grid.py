@@ -232,7 +232,7 @@ def _run(study, root, data, model, epochs, steps, compute_of, seed, threads, rec
         per_step = recipe.training.global_batch_size * recipe.data.seq_length
         steps = max(1, round(run_epochs * subset_tokens[data] / per_step))
     steps = steps or recipe.training.train_iters
-    every = recipe.logging.log_interval  # validation happens on logged steps only
+    every = recipe.logging.log_interval  # validations at a multiple of the log interval: each on a logged step
     interval = every * max(1, math.ceil(steps / study.validations / every))
     length = _length_name(epochs, None if epochs is not None else steps, compute_of)
     folder = study.run_folder(root, data, model, length, seed, threads)
