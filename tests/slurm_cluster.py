@@ -15,7 +15,8 @@ them all.
 
 ``env`` is the environment for sbatch/scontrol (``SLURM_CONF``); ``job(id)`` reads ``scontrol show
 job`` (accounting is off: no sacct). ``kill_node(name)`` kills a node as a power loss would (its
-slurmd and every process of its namespace, SIGKILL); ``start_node(name)`` brings it back.
+slurmd and every process of its namespace, SIGKILL: Slurm marks it down after ``SlurmdTimeout``,
+10 s here); ``start_node(name)`` brings it back.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
-SlurmdTimeout=20
+SlurmdTimeout=10
 SchedulerParameters=bf_interval=1,sched_interval=1
 KillWait=30
 StateSaveLocation={base}/state
@@ -93,7 +94,8 @@ class SlurmCluster:
         return run.stdout
 
     def start(self) -> "SlurmCluster":
-        self._remove_network()  # left by a run that was killed
+        _end_leftovers()  # a test run killed before its teardown left its daemons, jobs and network
+        self._remove_network()
         munge = self.base / "munge"
         for folder in (munge, self.base / "state", *(self.base / "spool" / n for n in self.nodes)):
             folder.mkdir(parents=True, exist_ok=True)
@@ -193,6 +195,7 @@ class SlurmCluster:
     def _remove_network(self) -> None:
         for node in self.nodes:
             subprocess.run(["ip", "netns", "del", self.namespace(node)], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"fbt-v{node}"], capture_output=True)  # its pair, where it outlived the namespace
             shutil.rmtree(Path("/etc/netns", self.namespace(node)), ignore_errors=True)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 
@@ -230,6 +233,17 @@ class SlurmCluster:
     def signal_batch(self, job_id: int, name: str) -> None:
         """Signal the batch shell as ``--signal=B:<name>@S`` does S seconds before the time limit."""
         self._run("scancel", "--batch", f"--signal={name}", str(job_id))
+
+
+def _end_leftovers() -> None:
+    """SIGKILL the processes of a cluster whose test run was killed (their command lines or working
+    folders name its folder, ``/tmp/fbt-slurm-*``): their ports and names would clash with a new one."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and "fbt-slurm-" in (proc / "cmdline").read_text(errors="replace") + os.readlink(proc / "cwd"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
 
 
 def _sbin(name: str) -> str:
