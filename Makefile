@@ -16,8 +16,10 @@ setup: $(VENV)/.installed
 demo: setup
 	$(ACT) python tools/demo.py $(DEMO_ARGS)
 
+# the suite: the tests that mostly wait (a real three-node Slurm, the hang watchdog) run beside the
+# rest (tools/run_tests.py); their output follows the rest's
 test: setup
-	$(ACT) python -m pytest -q
+	$(ACT) python tools/run_tests.py
 
 # ---- serving with vLLM (docs/serving.md): a second environment, .venv-serve, with vLLM's CPU build
 # and transformers within vLLM's range (<5.20); .venv keeps the newest transformers.

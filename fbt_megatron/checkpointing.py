@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fbt_megatron import compat
 from fbt_megatron.errors import CheckpointError, StorageError
 from fbt_megatron.folders import unwritable, write_problem
+from fbt_megatron.io import atomic_open, atomic_write, sync_folder
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "files.json"
@@ -220,12 +221,8 @@ def _hashed_files(path: Path) -> Optional[dict]:
 def _write_manifest(path: Path, files: dict) -> None:
     """The manifest of checkpoint folder ``path`` (``files``: ``_hashed_files``), written atomically."""
     body = {"format": _MANIFEST_FORMAT, "version": 1, "files": dict(sorted(files.items()))}
-    tmp = path / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_open(path / MANIFEST) as f:
         json.dump({**body, "sha256": _body_hash(body)}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / MANIFEST)
 
 
 def _read_manifest(path: Path):
@@ -418,9 +415,8 @@ def _put_in_place(folder: Path, iteration: int, tmp: Path) -> None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    tracker_tmp = folder / (TRACKER + ".tmp")
-    tracker_tmp.write_text(f"{iteration}\n")
-    os.replace(tracker_tmp, folder / TRACKER)
+    sync_folder(folder)  # the checkpoint under its name on disk before the tracker names it
+    atomic_write(folder / TRACKER, f"{iteration}\n")
 
 
 def retain(folder, newest: int, keep: int) -> list:

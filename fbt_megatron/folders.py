@@ -1,15 +1,9 @@
-"""Folders written whole: a folder this project creates (a corpus, a task, an SFT set, an export, an
-imported run) appears complete under its name, or not at all.
+"""Checks of the folders a command writes: before any work, one line when it cannot.
 
-``atomic_folder(path)`` yields an empty temporary folder beside ``path`` (``.NAME.tmp-XXXXXXXX``, same
-file system) and renames it to ``path`` when the block ends; on any error, interrupts included, the
-temporary folder is removed and ``path`` is left as it was. ``path`` may be missing (its missing
-parents are created, and removed again on failure) or an empty folder (replaced by the rename); a
-non-empty folder or a file there is never touched: the rename refuses it (``FolderExists``), also
-when another process finished the same folder first.
-
-``check_new_folder(path, flag)`` is the same rule as a command's early check of its output flag: one
-line and nothing written when ``path`` cannot become the new folder.
+``check_new_folder(path, flag)`` is the same rule as ``io.atomic_folder``, which writes the folders
+this project creates (a corpus, a task, an SFT set, an export, an imported run) whole, applied as a
+command's early check of its output flag: one line and nothing written when ``path`` cannot become
+the new folder.
 
 ``check_writable(path, flag)`` is the early check of a folder a run writes in as it goes (``--save``):
 a folder, or a path where one can be created, on a file system that takes a file now;
@@ -22,19 +16,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from fbt_megatron.errors import StorageError
+from fbt_megatron.io import FolderExists
 
 PROBE_BYTES = 4096  # what write_problem writes: a block, so that a full file system refuses it
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a full disk, over quota, a read-only file system
-
-
-class FolderExists(ValueError):
-    """The folder to create exists and is not empty (or is a file): bad input, one line."""
 
 
 def current_umask() -> int:
@@ -115,27 +105,3 @@ def unwritable(e: OSError, folder, alternative: str) -> str:
         return f"this process may not write in {folder} ({code}): {alternative}"
     return f"cannot write in {folder} ({e.strerror}, {code}): {alternative}"
 
-
-@contextlib.contextmanager
-def atomic_folder(path) -> Iterator[Path]:
-    """Build the folder ``path`` whole (module docstring): yields the temporary folder to fill."""
-    final = Path(path).absolute()
-    created = [p for p in [final.parent, *final.parent.parents] if not p.exists()]
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        tmp.chmod(0o777 & ~current_umask())  # mkdtemp's folder is private; this one is an ordinary folder
-        yield tmp
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if _vacant(final):
-                raise
-            raise FolderExists(f"{final} exists and is not empty (written meanwhile by another process?); "
-                               f"remove it or write elsewhere") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for parent in created:  # innermost first; only while still empty
-            with contextlib.suppress(OSError):
-                parent.rmdir()
-        raise

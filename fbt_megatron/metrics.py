@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 from fbt_megatron.cli import plural
+from fbt_megatron.io import atomic_write
 
 METRICS = "metrics.jsonl"
 
@@ -103,9 +103,7 @@ class MetricsLogger:
             folder = Path(folder)
             folder.mkdir(parents=True, exist_ok=True)
             kept = [r for r in read_metrics(folder) if r["step"] <= resume_from]
-            tmp = folder / (METRICS + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, folder / METRICS)
+            atomic_write(folder / METRICS, "".join(json.dumps(r) + "\n" for r in kept))
             self.file = open(folder / METRICS, "a")
         events = tensorboard_dir or (folder / "tensorboard" if folder is not None else None)
         if tensorboard and events is not None:

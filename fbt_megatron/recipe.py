@@ -64,6 +64,13 @@ class DataSection:
     """SFT: the fused passes keep plain embeddings on the prompt (system and user turns, up to each
     assistant turn: prompt-then-generate), or on a random prefix as in pretraining."""
 
+    def validate(self) -> None:
+        at_least_one("data", self, "seq_length")
+        if self.data_path is None and self.train_data_path is None:
+            raise RecipeError("data: set data_path (a corpus folder) or train_data_path (a blend)")
+        if self.train_data_path is not None and self.tokenizer_model is None:
+            raise RecipeError("data.train_data_path needs data.tokenizer_model")
+
 
 @dataclass
 class TrainingSection:
@@ -121,6 +128,22 @@ class TrainingSection:
     max_rewinds: int = 3
     """Rewinds of the whole run (--spike-policy rewind); later spikes are skipped."""
 
+    def validate(self) -> None:
+        at_least_one("training", self, "micro_batch_size", "global_batch_size", "train_iters", "eval_interval")
+        if self.eval_iters < 0 or self.fused_prefill_passes < 0:
+            raise RecipeError("training.eval_iters and training.fused_prefill_passes must be >= 0")
+        if self.max_bad_steps < 0:
+            raise RecipeError(f"training.max_bad_steps must be >= 0, got {self.max_bad_steps}")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise RecipeError(f"training.exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
+        nan_injections(self.inject_nan)  # a malformed spec: one error line before any work
+        if self.distributed_timeout_minutes < 1 or self.hang_timeout_minutes < 0:
+            raise RecipeError("training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0")
+        if self.spike_factor <= 1 or self.spike_window < 1 or self.max_rewinds < 0:
+            raise RecipeError("training.spike_factor must be > 1, training.spike_window >= 1 and training.max_rewinds >= 0")
+        if self.z_loss_coeff < 0:
+            raise RecipeError(f"training.z_loss_coeff must be >= 0, got {self.z_loss_coeff}")
+
 
 @dataclass
 class PassesSection:
@@ -133,6 +156,9 @@ class PassesSection:
     pass_phases: Optional[List[Dict[str, Any]]] = None
     """Later phases, each from a fraction of --train-iters on, with a fixed k or k drawn per step
     from weights: [{start: 0.75, mixture: {1: 0.75, 2: 0.22, 3: 0.03}}] or [{start: 0.5, passes: 2}]."""
+
+    def validate(self) -> None:  # the phases need --train-iters: Recipe.pass_phases
+        at_least_one("passes", self, "passes")
 
 
 @dataclass
@@ -191,6 +217,23 @@ class OptimizerSection:
     loss_scale: Optional[float] = None
     """fp16 only: a static loss scale; null means dynamic loss scaling."""
 
+    def validate(self) -> None:
+        if self.bf16 and self.fp16:
+            raise RecipeError("optimizer.bf16 and optimizer.fp16 are exclusive")
+        if not 0 <= self.lr_wsd_decay_fraction <= 1:
+            raise RecipeError(f"optimizer.lr_wsd_decay_fraction must be in [0, 1], got {self.lr_wsd_decay_fraction}")
+        if self.lr <= 0:
+            raise RecipeError(f"optimizer.lr must be > 0, got {self.lr}")
+        if self.lr_warmup_iters < 0:
+            raise RecipeError(f"optimizer.lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.min_lr > self.lr:
+            raise RecipeError(f"optimizer.min_lr {self.min_lr} exceeds optimizer.lr {self.lr}")
+        if self.optimizer != "normuon" and (self.adam_lr is not None or self.adam_params):
+            raise RecipeError("optimizer.adam_lr and optimizer.adam_params are for --optimizer normuon")
+        if self.adam_lr is not None and self.adam_lr <= 0:
+            raise RecipeError(f"optimizer.adam_lr must be > 0, got {self.adam_lr}")
+        at_least_one("optimizer", self, "muon_num_ns_steps")
+
 
 @dataclass
 class ParallelSection:
@@ -207,6 +250,11 @@ class ParallelSection:
     """Shard optimizer state over data-parallel ranks (megatron-core's distributed optimizer)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the last backward."""
+
+    def validate(self) -> None:  # against the world, batch and sequence: Recipe.validate
+        at_least_one("parallel", self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise RecipeError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
 
 
 @dataclass
@@ -245,6 +293,16 @@ class CheckpointSection:
     any parallel layout that --load it start from the same weights (initialisation itself
     depends on the pipeline layout, as in Megatron-LM)."""
 
+    def validate(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise RecipeError(f"checkpoint.save_interval must be >= 1, got {self.save_interval}")
+        if self.keep_last_n_checkpoints < 0:
+            raise RecipeError(f"checkpoint.keep_last_n_checkpoints must be >= 0, got {self.keep_last_n_checkpoints}")
+        if self.ckpt_step is not None and self.load is None:
+            raise RecipeError("checkpoint.ckpt_step picks a checkpoint of --load: give --load too")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise RecipeError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are exclusive: pick one")
+
 
 @dataclass
 class LoggingSection:
@@ -277,6 +335,18 @@ class LoggingSection:
     heartbeat_interval: float = 30.0
     """With --save, <save>/heartbeat.json (step, time, tokens, last checkpoint) is rewritten
     atomically at most this often, in seconds (0: after every step), for cluster monitors."""
+
+    def validate(self) -> None:
+        at_least_one("logging", self, "log_interval")
+        if self.log_layer_norms_interval < 0 or self.log_layer_norms_interval % self.log_interval:
+            raise RecipeError(f"logging.log_layer_norms_interval must be a multiple of --log-interval {self.log_interval} "
+                              f"(0: off), got {self.log_layer_norms_interval}")
+        if self.heartbeat_interval < 0:
+            raise RecipeError(f"logging.heartbeat_interval must be >= 0 seconds, got {self.heartbeat_interval}")
+        if self.straggler_threshold != 0 and self.straggler_threshold <= 1:
+            raise RecipeError(f"logging.straggler_threshold must be > 1 (0: off), got {self.straggler_threshold}")
+        if self.wandb_project is None and (self.wandb_exp_name or self.wandb_save_dir or self.wandb_mode):
+            raise RecipeError("logging.wandb_exp_name, wandb_save_dir and wandb_mode are a W&B run's: give --wandb-project too")
 
 
 SECTIONS = {
@@ -357,47 +427,23 @@ class Recipe:
             raise RecipeError(f"model: {e}") from None
 
     def validate(self, world_size: int = 1, this_machine: bool = True) -> None:
-        """RecipeError for the first thing wrong; ``this_machine=False`` (planning a run for other
+        """RecipeError for the first thing wrong: each section's own values, then what the sections
+        decide together at ``world_size`` processes; ``this_machine=False`` (planning a run for other
         machines) skips what only this machine's software decides (Transformer Engine for CP)."""
-        t, p, o = self.training, self.parallel, self.optimizer
-        positive = [
-            ("training.micro_batch_size", t.micro_batch_size),
-            ("training.global_batch_size", t.global_batch_size),
-            ("training.train_iters", t.train_iters),
-            ("logging.log_interval", self.logging.log_interval),
-            ("training.eval_interval", t.eval_interval),
-            ("data.seq_length", self.data.seq_length),
-            ("passes.passes", self.passes.passes),
-            ("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
-            ("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size),
-            ("parallel.context_parallel_size", p.context_parallel_size),
-        ]
-        for key, value in positive:
-            if value < 1:
-                raise RecipeError(f"{key} must be >= 1, got {value}")
-        if t.eval_iters < 0 or t.fused_prefill_passes < 0:
-            raise RecipeError("training.eval_iters and training.fused_prefill_passes must be >= 0")
-        if self.checkpoint.create_seed_checkpoint and (world_size != 1 or self.checkpoint.save is None):
+        for name in SECTIONS:
+            getattr(self, name).validate()
+        t, c = self.training, self.checkpoint
+        if c.create_seed_checkpoint and (world_size != 1 or c.save is None):
             raise RecipeError("checkpoint.create_seed_checkpoint needs one process and --save")
-        c = self.checkpoint
-        if c.save_interval is not None and c.save_interval < 1:
-            raise RecipeError(f"checkpoint.save_interval must be >= 1, got {c.save_interval}")
-        if c.keep_last_n_checkpoints < 0 or t.max_bad_steps < 0:
-            raise RecipeError("checkpoint.keep_last_n_checkpoints and training.max_bad_steps must be >= 0")
-        if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
-            raise RecipeError(f"training.exit_duration_in_mins must be > 0, got {t.exit_duration_in_mins}")
-        nan_injections(t.inject_nan)  # a malformed spec: one error line before any work
         from fbt_megatron.resilience.faults import check_faults
 
         check_faults(t, world_size)
-        if t.distributed_timeout_minutes < 1 or t.hang_timeout_minutes < 0:
-            raise RecipeError("training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0")
-        if t.spike_factor <= 1 or t.spike_window < 1 or t.max_rewinds < 0:
-            raise RecipeError("training.spike_factor must be > 1, training.spike_window >= 1 and training.max_rewinds >= 0")
-        if c.ckpt_step is not None and c.load is None:
-            raise RecipeError("checkpoint.ckpt_step picks a checkpoint of --load: give --load too")
-        if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
-            raise RecipeError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are exclusive: pick one")
+        self._validate_layout(world_size, this_machine)
+        self.pass_phases()
+
+    def _validate_layout(self, world_size: int, this_machine: bool) -> None:
+        """The parallel sizes against the world, the batch, the sequence and the model."""
+        t, p, seq = self.training, self.parallel, self.data.seq_length
         model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
         if world_size % model_parallel:
             raise RecipeError(
@@ -418,50 +464,22 @@ class Recipe:
             )
         if p.pipeline_model_parallel_size > 1 and self.model_overrides.get("detach_feedback"):
             raise RecipeError("model.detach_feedback (an ablation) is not supported with pipeline parallelism")
-        if p.sequence_parallel and p.tensor_model_parallel_size == 1:
-            raise RecipeError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
-        if p.sequence_parallel and self.data.seq_length % p.tensor_model_parallel_size:
-            raise RecipeError(f"data.seq_length {self.data.seq_length} is not divisible by TP {p.tensor_model_parallel_size} (sequence parallel)")
+        if p.sequence_parallel and seq % p.tensor_model_parallel_size:
+            raise RecipeError(f"data.seq_length {seq} is not divisible by TP {p.tensor_model_parallel_size} (sequence parallel)")
         if p.context_parallel_size > 1:
             chunks = 2 * p.context_parallel_size * (p.tensor_model_parallel_size if p.sequence_parallel else 1)
-            if self.data.seq_length % chunks:
-                raise RecipeError(f"data.seq_length {self.data.seq_length} does not split into {chunks} equal chunks (context parallel)")
+            if seq % chunks:
+                raise RecipeError(f"data.seq_length {seq} does not split into {chunks} equal chunks (context parallel)")
             if this_machine and not platform.have_transformer_engine():
                 raise RecipeError("parallel.context_parallel_size > 1 needs Transformer Engine attention (a CUDA machine with the GPU extras)")
             self.context_parallel_config()
-        if o.bf16 and o.fp16:
-            raise RecipeError("optimizer.bf16 and optimizer.fp16 are exclusive")
-        if not 0 <= o.lr_wsd_decay_fraction <= 1:
-            raise RecipeError(f"optimizer.lr_wsd_decay_fraction must be in [0, 1], got {o.lr_wsd_decay_fraction}")
-        if o.lr <= 0:
-            raise RecipeError(f"optimizer.lr must be > 0, got {o.lr}")
-        if o.lr_warmup_iters < 0:
-            raise RecipeError(f"optimizer.lr_warmup_iters must be >= 0, got {o.lr_warmup_iters}")
-        if o.min_lr > o.lr:
-            raise RecipeError(f"optimizer.min_lr {o.min_lr} exceeds optimizer.lr {o.lr}")
-        self.pass_phases()
-        if o.optimizer != "normuon" and (o.adam_lr is not None or o.adam_params):
-            raise RecipeError("optimizer.adam_lr and optimizer.adam_params are for --optimizer normuon")
-        if o.adam_lr is not None and o.adam_lr <= 0:
-            raise RecipeError(f"optimizer.adam_lr must be > 0, got {o.adam_lr}")
-        if o.muon_num_ns_steps < 1:
-            raise RecipeError(f"optimizer.muon_num_ns_steps must be >= 1, got {o.muon_num_ns_steps}")
-        if t.z_loss_coeff < 0:
-            raise RecipeError(f"training.z_loss_coeff must be >= 0, got {t.z_loss_coeff}")
-        g = self.logging
-        if g.log_layer_norms_interval < 0 or g.log_layer_norms_interval % g.log_interval:
-            raise RecipeError(f"logging.log_layer_norms_interval must be a multiple of --log-interval {g.log_interval} "
-                              f"(0: off), got {g.log_layer_norms_interval}")
-        if g.heartbeat_interval < 0:
-            raise RecipeError(f"logging.heartbeat_interval must be >= 0 seconds, got {g.heartbeat_interval}")
-        if g.straggler_threshold != 0 and g.straggler_threshold <= 1:
-            raise RecipeError(f"logging.straggler_threshold must be > 1 (0: off), got {g.straggler_threshold}")
-        if g.wandb_project is None and (g.wandb_exp_name or g.wandb_save_dir or g.wandb_mode):
-            raise RecipeError("logging.wandb_exp_name, wandb_save_dir and wandb_mode are a W&B run's: give --wandb-project too")
-        if self.data.data_path is None and self.data.train_data_path is None:
-            raise RecipeError("data: set data_path (a corpus folder) or train_data_path (a blend)")
-        if self.data.train_data_path is not None and self.data.tokenizer_model is None:
-            raise RecipeError("data.train_data_path needs data.tokenizer_model")
+
+
+def at_least_one(section: str, obj, *names: str) -> None:
+    """RecipeError for the first of ``names`` (fields of ``obj``, the recipe's ``section``) below 1."""
+    for name in names:
+        if getattr(obj, name) < 1:
+            raise RecipeError(f"{section}.{name} must be >= 1, got {getattr(obj, name)}")
 
 
 _INJECTION = re.compile(r"^(loss|grad)@(\d+)(?:-(\d+))?(?::(nan|inf))?$")

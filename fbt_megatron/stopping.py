@@ -54,6 +54,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from fbt_megatron.io import atomic_write
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STATUS = "exit_status.json"
 _pipe = None  # (read, write) of the StopCheck that handles SIGNALS in this process
@@ -191,11 +193,8 @@ def write_status(save: Optional[str], reason: str, step: int, train_iters: int, 
     status.update({name: n for name, n in (counts or {}).items() if n})
     if stuck_ranks is not None:
         status["stuck_ranks"] = stuck_ranks
-    path = Path(save) / STATUS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{STATUS}.{rank}.tmp")  # one per writer: ranks may write at once
-    tmp.write_text(json.dumps(status) + "\n")
-    os.replace(tmp, path)
+    Path(save).mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(save) / STATUS, json.dumps(status) + "\n")  # ranks may write at once: each its own temporary
 
 
 def failed_worker(e) -> int:

@@ -21,7 +21,6 @@ from fbt_megatron.data.documents import iter_documents
 from fbt_megatron.data.preprocess import preprocess
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.data.tokenizer_training import train_tokenizer
-from fbt_megatron.folders import FolderExists, atomic_folder, current_umask
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -279,30 +278,28 @@ def test_failed_prepare_leaves_nothing(stdlib20, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
-    """``atomic_folder``, which every folder writer uses (corpus, task, SFT set, to-hf, from-hf): a
-    failure leaves nothing, not even the parents it made; an empty folder is replaced; a folder
-    filled meanwhile by someone else is kept as it is and refused."""
-    with pytest.raises(RuntimeError, match="injected"):
-        with atomic_folder(tmp_path / "new" / "parents" / "out") as tmp:
-            (tmp / "half.bin").write_bytes(b"x")
-            raise RuntimeError("injected")
-    assert list(tmp_path.iterdir()) == []
+def test_a_corpus_another_process_finished_meanwhile_is_taken(stdlib20, corpus20, tmp_path, monkeypatch):
+    """Two runs started together on a missing --data-path both prepare it; the one that finishes
+    second takes the first one's corpus when it was prepared with the same settings (not an error),
+    and says which setting differs when it was not."""
+    corpus, done = corpus20
+    build = corpus_module._build
 
-    (tmp_path / "empty").mkdir()
-    with atomic_folder(tmp_path / "empty") as tmp:
-        assert set(tmp_path.iterdir()) == {tmp_path / "empty", tmp} and tmp.name.startswith(".empty.tmp-")
-        (tmp / "done.txt").write_text("mine")
-    assert [(p.name, p.read_text()) for p in (tmp_path / "empty").iterdir()] == [("done.txt", "mine")]
-    assert oct((tmp_path / "empty").stat().st_mode & 0o777) == oct(0o777 & ~current_umask())  # not mkdtemp's 0o700
+    def build_while_another_finishes(settings_of_the_other):
+        def run(tmp, *args):
+            shutil.copytree(settings_of_the_other, out)  # the other process renames its folder into place first
+            build(tmp, *args)
+        return run
 
-    with pytest.raises(FolderExists, match="exists and is not empty"):
-        with atomic_folder(tmp_path / "raced") as tmp:
-            (tmp / "ours.txt").write_text("ours")
-            (tmp_path / "raced").mkdir()
-            (tmp_path / "raced" / "theirs.txt").write_text("theirs")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "raced"]
-    assert [p.name for p in (tmp_path / "raced").iterdir()] == ["theirs.txt"]
+    out = tmp_path / "same"
+    monkeypatch.setattr(corpus_module, "_build", build_while_another_finishes(done))
+    taken = prepare_corpus(str(stdlib20), str(out), vocab_size=512, valid_fraction=0.2, show_progress=False)
+    assert taken == load_corpus(out) and taken.tokens == corpus.tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["same"]  # the temporary folder is gone
+    out = tmp_path / "other"
+    monkeypatch.setattr(corpus_module, "_build", build_while_another_finishes(done))
+    with pytest.raises(ValueError, match=r"other settings \(vocab_size 512 → 1024\)"):
+        prepare_corpus(str(stdlib20), str(out), vocab_size=1024, valid_fraction=0.2, show_progress=False)
 
 
 def test_prepare_refuses_a_folder_that_is_not_a_corpus(stdlib20, tmp_path):

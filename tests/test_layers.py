@@ -12,8 +12,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).parent.parent / "fbt_megatron"
 
 LAYERS = [
-    ("ground floor: errors, the platform, checkpoints, data, the sequence layout, stopping and failures",
-     ["errors", "decode_modes", "folders", "compat", "processes", "megatron_fixes", "simulated_device", "platform",
+    ("ground floor: errors, files written whole, the platform, checkpoints, data, the sequence layout, stopping and failures",
+     ["errors", "io", "decode_modes", "folders", "compat", "processes", "megatron_fixes", "simulated_device", "platform",
       "cli", "stopping",
       "checkpointing", "data", "seeds", "sequence", "offload", "resilience",
       "layers"]),

@@ -533,7 +533,7 @@ def test_the_launcher_waits_for_the_workers_stop_as_long_as_it_is_told(tmp_path)
 def test_bad_operation_flags_are_one_line(runs):
     results, tmp = runs
     expected = {"bad_spec": "error: training.inject_nan: 'loss3' is not WHAT@STEP[-LAST][:nan|inf] (WHAT: loss or grad)",
-                "bad_keep": "error: checkpoint.keep_last_n_checkpoints and training.max_bad_steps must be >= 0"}
+                "bad_keep": "error: checkpoint.keep_last_n_checkpoints must be >= 0, got -1"}
     for name, line in expected.items():
         assert results[name]["code"] == 2 and results[name]["log"].strip().splitlines() == [line], results[name]["log"]
     assert not (tmp / "bad").exists()

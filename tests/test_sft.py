@@ -153,6 +153,31 @@ def test_bad_records_name_file_and_line_or_are_skipped_and_counted(encoder, tmp_
 
 
 @pytest.mark.slow
+def test_a_tiny_set_another_process_finished_meanwhile_is_taken(small_corpus, tmp_path, monkeypatch):
+    """Two runs started together on a missing SFT --data-path both prepare it: the one that finishes
+    second keeps the first one's set (same settings), and refuses it at another sequence length."""
+    from fbt_megatron.data.sft import tiny_set
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("a", "b", "c"):
+        (source / f"{name}.py").write_text(f'def {name}(x):\n    """Return x."""\n    return x\n')
+    write = tiny_set._write_set
+
+    def write_while_another_finishes(output, *args):
+        monkeypatch.setattr(tiny_set, "_write_set", write)
+        tiny_set.ensure_sft_set(f"sft:{source}", output, small_corpus.tokenizer_path, 64)  # the other process
+        write(output, *args)
+
+    out = tmp_path / "set"
+    monkeypatch.setattr(tiny_set, "_write_set", write_while_another_finishes)
+    tiny_set.ensure_sft_set(f"sft:{source}", str(out), small_corpus.tokenizer_path, 64)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["set", "src"]  # its own temporary folder is gone
+    assert json.loads((out / "sft.json").read_text())["settings"]["seq_length"] == 64
+    with pytest.raises(ValueError, match="holds an SFT set prepared from other settings"):
+        tiny_set.ensure_sft_set(f"sft:{source}", str(out), small_corpus.tokenizer_path, 32)
+
+
 def test_sft_run_through_the_entry_point(small_corpus, tmp_path):
     """The tiny SFT set prepared from the corpus's source modules, 4 steps of 3 passes, validated
     after 0-3 fused passes; a bad record stops a run with one line and exit code 2, writing nothing."""

@@ -22,8 +22,9 @@ from forked import run_commands
 from helpers import launch
 
 ROOT = Path(__file__).resolve().parent.parent
-# float32 noise of these runs: per-pass losses within 1e-7, gradient norms within 4e-8 (the bug: 1.9e-4)
-TOLERANCE = 1e-6
+# float32 noise of these runs: per-pass losses mostly within 1e-7, gradient norms within 4e-8, once 1.5e-6
+# (the order of float32 sums differs between one process and two shards); the bug: 1.4e-4 and more
+TOLERANCE = 1e-5
 
 
 def test_gradient_norm_is_the_float64_norm_at_full_size():

@@ -157,25 +157,22 @@ def export_run(run: Path, cache: Path, label: str, log: Path) -> tuple:
         return target, iteration  # exported after the checkpoint was written
     tqdm.write(f"[{label}] iteration {iteration}: exporting {run} → {target}")
     shutil.rmtree(target, ignore_errors=True)
-    tmp = cache / f".{target.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "fbt_megatron.convert", "to-hf", "--load", str(run.resolve()), "--output", str(tmp.resolve()),
-           "--ckpt-step", str(iteration)]
+    cmd = [sys.executable, "-m", "fbt_megatron.convert", "to-hf", "--load", str(run.resolve()), "--output", str(target.resolve()),
+           "--ckpt-step", str(iteration)]  # the converter writes the folder whole (io.atomic_folder)
     with open(log, "a") as out:
         out.write("$ " + " ".join(cmd[1:]) + "\n")
         out.flush()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         # from here: a run's recipe names its data as given where it was trained
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-    if code or not (tmp / "config.json").is_file():
-        shutil.rmtree(tmp, ignore_errors=True)
+    if code or not (target / "config.json").is_file():
+        shutil.rmtree(target, ignore_errors=True)
         lines = log.read_text().splitlines()
         if code == 2 and lines and lines[-1].startswith("error: "):  # the converter's one line: bad input
             raise ValueError(f"exporting {run}: {lines[-1][len('error: '):]}")
         tail = "\n".join(lines[-10:])
         raise RuntimeError(f"exporting {run} failed (exit {code}); the end of {log}:\n{tail}")
-    os.replace(tmp, target)
     return target, iteration
 
 

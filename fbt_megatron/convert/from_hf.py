@@ -19,7 +19,7 @@ size, the tokenizer file copied into the folder (``tokenizer.model`` / ``tokeniz
 the recipe's ``data.tokenizer_model``), ``recipe.yaml`` (the same recipe, to train from:
 ``--recipe RUN/recipe.yaml --load RUN``) and ``import.json`` (where it came from). The checkpoint
 is written by one process, unsharded; dist_checkpointing reshards it for any TP/PP layout that
-loads it. The folder is written whole (``folders.atomic_folder``); RUN may be missing (its parents
+loads it. The folder is written whole (``io.atomic_folder``); RUN may be missing (its parents
 are created) or an empty folder; anything else there is refused.
 """
 
@@ -36,7 +36,8 @@ import torch
 from fbt_megatron.convert import mapping
 from fbt_megatron.convert.mapping import ConversionError
 from fbt_megatron.convert.to_hf import read_safetensors
-from fbt_megatron.folders import atomic_folder, check_new_folder
+from fbt_megatron.folders import check_new_folder
+from fbt_megatron.io import atomic_folder
 
 LLAMA_LIKE = ("llama", "mistral", "qwen3")
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")

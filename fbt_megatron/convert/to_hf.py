@@ -2,7 +2,7 @@
 
 The run is loaded as one CPU process in fp32 (``runs.load_run``: any TP/PP layout it was saved in,
 resharded by dist_checkpointing), its weights renamed and split per ``mapping``, and the folder is
-written whole (``folders.atomic_folder``): an interrupted export leaves no half-written DIR. DIR
+written whole (``io.atomic_folder``): an interrupted export leaves no half-written DIR. DIR
 may be missing (its parents are created) or an empty folder; anything else there is refused.
 """
 
@@ -20,7 +20,8 @@ import torch
 
 from fbt_megatron.convert import mapping
 from fbt_megatron.convert.mapping import ConversionError
-from fbt_megatron.folders import atomic_folder, check_new_folder, current_umask
+from fbt_megatron.folders import check_new_folder, current_umask
+from fbt_megatron.io import atomic_folder
 
 HERE = Path(__file__).parent
 HF_CODE = HERE / "hf"

@@ -19,7 +19,7 @@ when the SHA-256 of its name (its relative path, or "file:N") falls below `valid
 split gets at least one (the document nearest the threshold moves, named in the manifest).
 Degenerate splits are warned about, one line each (``split_warnings``). Bad records are errors
 unless `skip_bad_records` allows some (``documents.BadRecords``). The folder is written whole
-(``folders.atomic_folder``); a folder that is there and not empty is never modified.
+(``io.atomic_folder``); a folder that is there and not empty is never modified.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from fbt_megatron.data.preprocess import tokenize_into
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.data.tokenizer_training import SAMPLE_BYTES, Sample, train_sentencepiece
 from fbt_megatron.cli import plural
-from fbt_megatron.folders import atomic_folder
+from fbt_megatron.io import FolderExists, atomic_folder
 
 STDLIB = "stdlib"
 STDLIB_SKIP = ("test", "tests", "idle_test", "site-packages", "dist-packages")
@@ -346,8 +346,11 @@ def prepare_corpus(
         if show_progress:
             print(f"{output}: corpus already prepared, nothing to do")
         return corpus
-    with atomic_folder(output) as tmp:
-        _build(str(tmp), settings, tokenizer, workers, show_progress)
+    try:
+        with atomic_folder(output) as tmp:
+            _build(str(tmp), settings, tokenizer, workers, show_progress)
+    except FolderExists:  # another process (a run started beside this one) finished it first: theirs, if the same
+        return _existing(output, settings, flag, hint)
     return load_corpus(output)
 
 

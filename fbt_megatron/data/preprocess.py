@@ -4,8 +4,9 @@ Tokenization runs in `workers` processes on chunks of documents, a bounded numbe
 input is streamed: memory does not grow with the corpus), order kept: the output depends only on
 the input, and is byte for byte what Megatron-LM's ``tools/preprocess_data.py`` writes. The
 smallest safe token dtype is chosen as megatron does (uint16 below 65,500 ids, else int32). Every
-file is written under a temporary name beside its target and renamed at the end, so a failed or
-interrupted run never leaves a half-written prefix.
+file is written under a temporary name beside its target and published at the end
+(``io.publish_indexed``: the old ``.idx`` removed first, the new one in place last), so a failed,
+interrupted or crashed run never leaves a half-written prefix that a loader takes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fbt_megatron.data.documents import BadRecords, Reading, iter_documents, pro
 from fbt_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from fbt_megatron.errors import StorageError
 from fbt_megatron.folders import STORAGE_ERRNOS, unwritable
+from fbt_megatron.io import publish_indexed
 
 CHUNK_BYTES = 1 << 18  # text per task sent to a worker: small, so that the workers end together
 CHUNK_DOCUMENTS = 256
@@ -83,8 +85,8 @@ def _encoded(items: Iterable[tuple[int, str]], tokenizer: Tokenizer, dtype, work
 @contextlib.contextmanager
 def indexed_outputs(prefixes: list[str], dtype) -> Iterator[list[IndexedDatasetBuilder]]:
     """One builder per prefix, writing under temporary names; on success every prefix's files are
-    finalized and renamed into place, on any failure all of them removed (a file system that
-    refuses the writes, full or read-only, is then one ``StorageError`` naming the folder)."""
+    finalized and published (``io.publish_indexed``), on any failure all of them removed (a file
+    system that refuses the writes, full or read-only, is then one ``StorageError`` naming the folder)."""
     tmps = [f"{prefix}.tmp-{os.getpid()}" for prefix in prefixes]
     for prefix in prefixes:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
@@ -95,8 +97,7 @@ def indexed_outputs(prefixes: list[str], dtype) -> Iterator[list[IndexedDatasetB
         for builder, tmp in zip(builders, tmps):
             builder.finalize(get_idx_path(tmp))
         for prefix, tmp in zip(prefixes, tmps):
-            os.replace(get_bin_path(tmp), get_bin_path(prefix))
-            os.replace(get_idx_path(tmp), get_idx_path(prefix))
+            publish_indexed(tmp, prefix)
     except BaseException as e:
         for builder in builders:
             with contextlib.suppress(OSError):  # a full disk refuses its buffer's last write again

@@ -24,6 +24,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path,
 from fbt_megatron.data.documents import Source, sources
 from fbt_megatron.data.preprocess import indexed_outputs, preprocess
 from fbt_megatron.data.tokenizer import load_tokenizer
+from fbt_megatron.io import atomic_write
 
 RECORD_FORMAT = "fbt-megatron shard"
 
@@ -138,16 +139,12 @@ def _inputs_change(before: list, now: list) -> str:
 
 def _write_record(prefix: str, record: dict) -> None:
     """The record of a shard just written, atomically and synced: the last thing that makes it complete."""
-    tmp = f"{record_path(prefix)}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, record_path(prefix))
+    atomic_write(record_path(prefix), json.dumps(record, indent=1))
 
 
 def complete(prefix: str) -> bool:
-    """Whether `prefix` was written whole (its .idx is renamed into place last)."""
+    """Whether `prefix` was written whole (``io.publish_indexed``: its old .idx is removed first, the
+    new one renamed into place last)."""
     return os.path.isfile(get_bin_path(prefix)) and os.path.isfile(get_idx_path(prefix))
 
 

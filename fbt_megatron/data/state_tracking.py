@@ -21,7 +21,7 @@ A prepared task folder is read like a corpus (``data.corpus: "state_tracking:par
     valid_tokens.bin/.idx, valid_labels.bin/.idx
 
 Tokens and labels share one vocabulary, the group's elements (element 0 is the identity). The
-folder is written whole (``folders.atomic_folder``); an existing folder is never modified.
+folder is written whole (``io.atomic_folder``); an existing folder is never modified.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from fbt_megatron.data.tokenizer import padded_vocab_size
-from fbt_megatron.folders import FolderExists, atomic_folder
+from fbt_megatron.io import FolderExists, atomic_folder
 
 SOURCE_PREFIX = "state_tracking:"  # data.corpus value naming a task: "state_tracking:parity"
 MANIFEST = "task.json"

@@ -17,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import io
-import os
 import re
 
 import sentencepiece
 
 from fbt_megatron.data.documents import BadRecords, iter_documents, progress, stage
+from fbt_megatron.io import atomic_write
 
 SAMPLE_BYTES = 100_000_000  # the most text a tokenizer trains on (default)
 
@@ -111,10 +111,7 @@ def train_sentencepiece(texts: list[str], output: str, vocab_size: int, threads:
         except RuntimeError as e:  # e.g. a vocabulary too small for the characters and the 256 bytes
             reason = str(e).rsplit("] ", 1)[-1]  # without sentencepiece's source location
             raise ValueError(f"cannot train a sentencepiece tokenizer of vocab size {vocab_size}: {reason}") from None
-    tmp = f"{output}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp, output)
+    atomic_write(output, model.getvalue())
     return output
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from fbt_megatron.io import atomic_write
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 DEFAULT_CORPUS = ROOT / "data" / "stdlib-sp2048"
 DEFAULT_TASKS_FOLDER = ROOT / "data" / "lm-eval-tasks"  # where the tools build them on first use
@@ -208,9 +210,7 @@ metadata:
 
 
 def _write_jsonl(path: Path, records: List[dict]) -> None:
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records))
 
 
 def build_tasks(output: str, documents: int = 40, questions: int = 100, max_chars: int = 1200,
@@ -228,12 +228,12 @@ def build_tasks(output: str, documents: int = 40, questions: int = 100, max_char
     mc = next_line_questions(docs, questions)
     _write_jsonl(folder / "perplexity.jsonl", ppl)
     _write_jsonl(folder / "next_line.jsonl", mc)
-    (folder / f"{PERPLEXITY}.yaml").write_text(_yaml(PERPLEXITY, folder / "perplexity.jsonl", PERPLEXITY_YAML))
-    (folder / f"{NEXT_LINE}.yaml").write_text(_yaml(NEXT_LINE, folder / "next_line.jsonl", NEXT_LINE_YAML))
+    atomic_write(folder / f"{PERPLEXITY}.yaml", _yaml(PERPLEXITY, folder / "perplexity.jsonl", PERPLEXITY_YAML))
+    atomic_write(folder / f"{NEXT_LINE}.yaml", _yaml(NEXT_LINE, folder / "next_line.jsonl", NEXT_LINE_YAML))
     manifest = {"format": FORMAT, "source": source, "held_out_documents": len(docs),
                 "settings": _settings(documents, questions, max_chars, corpus),
                 "tasks": {PERPLEXITY: len(ppl), NEXT_LINE: len(mc)}}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return LocalTasks(str(folder), TASKS, len(ppl), len(mc))
 
 
@@ -251,10 +251,10 @@ def build_split_task(output: str, corpus: str, documents: int = 40, max_chars: i
     folder.mkdir(parents=True, exist_ok=True)
     ppl = perplexity_documents(docs, documents, max_chars)
     _write_jsonl(folder / "perplexity.jsonl", ppl)
-    (folder / f"{SPLIT_PERPLEXITY}.yaml").write_text(_yaml(SPLIT_PERPLEXITY, folder / "perplexity.jsonl", PERPLEXITY_YAML))
+    atomic_write(folder / f"{SPLIT_PERPLEXITY}.yaml", _yaml(SPLIT_PERPLEXITY, folder / "perplexity.jsonl", PERPLEXITY_YAML))
     manifest = {"format": FORMAT, "source": source, "held_out_documents": len(docs),
                 "settings": _settings(documents, 0, max_chars, corpus), "tasks": {SPLIT_PERPLEXITY: len(ppl)}}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return LocalTasks(str(folder), (SPLIT_PERPLEXITY,), len(ppl), 0)
 
 

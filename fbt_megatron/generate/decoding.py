@@ -67,6 +67,7 @@ def generate(
     return_logits: bool = False,
     max_length: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    on_token: Optional[Callable[[int, int], None]] = None,
 ) -> Generation:
     """Up to ``max_new_tokens`` tokens after each prompt (token ids; lengths may differ), in ``mode``
     (module docstring; ``fused_passes`` is fused's n, ``tolerance`` and ``max_passes`` adaptive's;
@@ -75,7 +76,9 @@ def generate(
     tokens whose probability reaches ``top_p``; sequence i draws from a generator seeded with
     ``seed + i``. A token in ``stop_tokens`` ends its sequence. ``max_length`` (default the model's
     ``seq_length``; RoPE itself goes further) bounds prompt + generation; ``vocab_size`` restricts
-    the choice to the first ids (the tokenizer's, the embedding being padded)."""
+    the choice to the first ids (the tokenizer's, the embedding being padded). ``on_token(i, token)``
+    is called as each token of sequence i is chosen (streaming; a decode time measured inside one
+    generation)."""
     if max_new_tokens < 1:
         raise ArgumentError(f"{{max_new_tokens}} must be >= 1, got {max_new_tokens}", "max_new_tokens")
     if temperature < 0 or not math.isfinite(temperature):
@@ -93,6 +96,8 @@ def generate(
             logits = logits[:vocab_size]
         token = _sample(logits, temperature, top_p, generators[i])
         out[i].append(token)
+        if on_token is not None:
+            on_token(i, token)
         return None if token in stops or len(out[i]) == max_new_tokens else token
 
     passes, logits = _decode(model, prompts, [max_new_tokens] * len(prompts), choose, mode, fused_passes,

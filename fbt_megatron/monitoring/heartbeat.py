@@ -4,9 +4,9 @@
 ("iter_000000N" or null), "pid", "host"}``, written by one rank (the logging one) after a step and
 its checkpoint, if one was due (``last_checkpoint`` is the newest complete one, that step's own when
 it saved), at most every ``--heartbeat-interval`` seconds (0: every step) and at the end, atomically
-(``write_whole``): a reader sees the previous heartbeat or the new one, whole. A monitor that finds
-``time`` older than a few intervals (and no ``exit_status.json`` newer than it) has found a stalled
-run.
+(``io.atomic_write``): a reader sees the previous heartbeat or the new one, whole. A monitor that
+finds ``time`` older than a few intervals (and no ``exit_status.json`` newer than it) has found a
+stalled run.
 """
 
 from __future__ import annotations
@@ -18,19 +18,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from fbt_megatron.io import atomic_write
+
 HEARTBEAT = "heartbeat.json"
-
-
-def write_whole(path: Path, text: str) -> None:
-    """``path`` holds ``text``, replaced at once: a temporary file beside it (one per process) renamed
-    over it, so a reader sees the old content or the new one, whole."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:  # a full disk: no temporary left behind
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_heartbeat(folder) -> Optional[dict]:
@@ -58,4 +48,4 @@ class Heartbeat:
                   "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
                   "last_checkpoint": checkpointing.checkpoint_dir(self.path.parent, saved).name if saved is not None else None,
                   "pid": os.getpid(), "host": socket.gethostname()}
-        write_whole(self.path, json.dumps(record) + "\n")
+        atomic_write(self.path, json.dumps(record) + "\n")

@@ -4,7 +4,7 @@ copies it into ``jobs.jsonl``) and for naming stragglers (``stragglers``).
 ``{"started": ISO-UTC, "world_size": N, "ranks": [{"rank": 0, "node": "n1", "local_rank": 0, "pid":
 123}, ...]}``, the ranks in order: gathered from every rank once (one ``all_gather_object``) when the
 run's inputs (data, model, checkpoint) have been checked, so that bad input leaves no folder behind,
-and written by rank 0 atomically (``heartbeat.write_whole``): a reader sees the previous attempt's
+and written by rank 0 atomically (``io.atomic_write``): a reader sees the previous attempt's
 file or this one's, whole. A rank's node is Slurm's name for it (``SLURMD_NODENAME``), else its host
 name; ``local_rank`` is its place on the node (``LOCAL_RANK``, set by torchrun and by the Slurm
 tasks launch), ``pid`` its process id.
@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from fbt_megatron.monitoring.heartbeat import write_whole
+from fbt_megatron.io import atomic_write
 from fbt_megatron.platform import node_name
 
 RANKS = "ranks.json"
@@ -40,5 +40,5 @@ def record_ranks(save: Optional[str]) -> List[dict]:
     if save is not None and dist.get_rank() == 0:
         Path(save).mkdir(parents=True, exist_ok=True)
         record = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": len(ranks), "ranks": ranks}
-        write_whole(Path(save) / RANKS, json.dumps(record) + "\n")
+        atomic_write(Path(save) / RANKS, json.dumps(record) + "\n")
     return ranks

@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from fbt_megatron.errors import RecipeError
-from fbt_megatron.monitoring.heartbeat import write_whole
+from fbt_megatron.io import atomic_write
 
 RUN_ID = "wandb_run_id"
 NO_KEY_MODES = ("offline", "dryrun", "disabled")  # W&B's modes that send nothing (WANDB_MODE may say dryrun)
@@ -80,7 +80,7 @@ class WandbWriter:
         self.run = wandb.init(project=g.wandb_project, name=name, dir=str(folder), config=recipe.to_dict(), mode=g.wandb_mode,
                               **resume)
         if kept is not None and not continues:
-            write_whole(kept, self.run.id + "\n")
+            atomic_write(kept, self.run.id + "\n")
 
     def log(self, scalars: dict, step: int) -> None:
         self.run.log(scalars, step=step)

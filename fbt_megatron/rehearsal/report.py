@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from fbt_megatron.io import atomic_write
 from fbt_megatron.rehearsal import checks
 from fbt_megatron.rehearsal.measure import GiB, Measured
 
@@ -141,9 +142,7 @@ class Report:
     def finish(self) -> "Report":
         print(self.table(), flush=True)
         data = dict(ok=self.ok(), failure=self.failure, stages=self.stages, figures=self.figures, checks=self.checks)
-        tmp = self.folder / f".{REPORT}.tmp"
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(self.folder / REPORT)
+        atomic_write(self.folder / REPORT, json.dumps(data, indent=1) + "\n")
         return self
 
     def table(self) -> str:

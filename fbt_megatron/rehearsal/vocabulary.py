@@ -10,8 +10,9 @@ checkpoint and the export all have the full vocabulary.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from fbt_megatron.io import atomic_write
 
 UNUSED = "<unused_{}>"
 
@@ -32,7 +33,5 @@ def widen(model_file: str, output: str, size: int) -> str:
     for i in range(size - have):
         piece = proto.pieces.add()
         piece.piece, piece.score, piece.type = UNUSED.format(i), 0.0, pb.ModelProto.SentencePiece.UNUSED
-    tmp = f"{output}.tmp-{os.getpid()}"
-    Path(tmp).write_bytes(proto.SerializeToString())
-    os.replace(tmp, output)
+    atomic_write(output, proto.SerializeToString())
     return output

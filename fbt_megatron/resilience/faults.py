@@ -43,6 +43,7 @@ from typing import List, NamedTuple, Optional
 
 from fbt_megatron.cli import plural
 from fbt_megatron.errors import RecipeError
+from fbt_megatron.io import append_synced
 
 KINDS = ("crash", "hang", "freeze", "slow", "spike")
 ONCE = ("crash", "hang", "freeze")  # the machine's faults: fired once per run folder
@@ -141,10 +142,7 @@ class Faults:
         print(f"--inject-fault {fault}: rank {self.rank} {what} at the start of step {fault.step}", flush=True)
         if self.record is not None:
             line = json.dumps({"fault": str(fault), "rank": self.rank, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            with open(self.record, "a") as f:
-                f.write(line + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            append_synced(self.record, line + "\n")
 
 
 def _hold_the_interpreter() -> None:

@@ -37,7 +37,6 @@ catches what the groups cannot (a rank stuck in I/O, a data loader, a deadlock i
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import json
 import os
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 from typing import List, NamedTuple, Optional
 
+from fbt_megatron.io import atomic_open
 from fbt_megatron.platform import node_name
 
 HANG_EXIT = 124
@@ -210,7 +210,7 @@ class Watchdog:
             sys.stderr.flush()
             os._exit(HANG_EXIT)
         self.folder.mkdir(parents=True, exist_ok=True)
-        with _replacing(self.folder / f"rank{self.rank}.txt", "w") as f:
+        with atomic_open(self.folder / f"rank{self.rank}.txt", "w") as f:
             f.write(head)
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
@@ -220,11 +220,11 @@ class Watchdog:
             print(f"hang watchdog: rank {self.rank}: no flight recorder dump ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
             trace = None
         if trace is not None:
-            with _replacing(self.folder / f"{FLIGHT_RECORDER}{self.rank}", "wb") as f:
+            with atomic_open(self.folder / f"{FLIGHT_RECORDER}{self.rank}", "wb") as f:
                 f.write(trace)
         report = {"rank": self.rank, "node": node_name(), "step": self.step, "idle_s": round(idle), "where": where,
                   "in_call": in_call, "groups": groups}
-        with _replacing(self.folder / f"rank{self.rank}.json", "w") as f:  # last: this rank has reported
+        with atomic_open(self.folder / f"rank{self.rank}.json", "w") as f:  # last: this rank has reported
             json.dump(report, f)
         reports = self._gather()
         hang = diagnose(reports, self.world)
@@ -233,7 +233,7 @@ class Watchdog:
         if min(reports) == self.rank:  # the lowest rank with a report says it, once
             line = self._line(reports, hang)
             print(line, flush=True)
-            with _replacing(said, "w") as f:
+            with atomic_open(said, "w") as f:
                 f.write(line + "\n")
         else:  # it says it before any rank exits: a launcher stops the others when one exits
             self._await(lambda: self._fresh(said))
@@ -288,16 +288,6 @@ class Watchdog:
         write_status(self.save, "hang", step, self.train_iters,
                      None if newest is None else checkpointing.checkpoint_dir(self.save, newest),
                      stuck_ranks=sorted(hang.stuck + hang.silent))
-
-
-@contextlib.contextmanager
-def _replacing(path: Path, mode: str):
-    """``open(path, mode)`` that puts the file in place whole when it is closed (a temporary beside
-    it, renamed): a reader never sees it half written."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, mode) as f:
-        yield f
-    os.replace(tmp, path)
 
 
 def _step(reports: dict) -> int:

@@ -13,12 +13,10 @@ finished is trained again.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import List
 
+from fbt_megatron.io import atomic_folder
 from fbt_megatron.studies.grid import REPO, RunSpec
 from fbt_megatron.studies.runner import DONE, EVAL, IDENTITY, identity, is_done
 
@@ -38,10 +36,7 @@ def _local(text: str, root: Path) -> str:
 
 def save(runs: List[RunSpec], root: Path, folder: Path) -> None:
     """The records of ``runs`` (all done) into ``folder``, replacing what it held."""
-    folder = folder.resolve()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
+    with atomic_folder(folder.resolve(), replace=True) as tmp:
         for run in runs:
             place = tmp / run.folder.relative_to(root)
             place.mkdir(parents=True)
@@ -49,14 +44,6 @@ def save(runs: List[RunSpec], root: Path, folder: Path) -> None:
                 if (run.folder / name).is_file():
                     text = (run.folder / name).read_text()
                     (place / name).write_text(_portable(text, root) if name == IDENTITY else text)
-        old = folder.with_name(folder.name + ".old")
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def restore(runs: List[RunSpec], root: Path, folder: Path) -> int:
@@ -78,15 +65,10 @@ def restore(runs: List[RunSpec], root: Path, folder: Path) -> int:
         if run.folder.exists() and any(run.folder.iterdir()):
             raise ValueError(f"{run.folder} holds an unfinished run and {folder} a finished one: "
                              "remove the folder to reuse the record, or drop --reuse to finish it")
-        tmp = run.folder.with_name(run.folder.name + ".restoring")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for name in FILES:
-            if (record / name).is_file():
-                text = (record / name).read_text()
-                (tmp / name).write_text(_local(text, root) if name == IDENTITY else text)
-        if run.folder.exists():
-            run.folder.rmdir()
-        os.replace(tmp, run.folder)
+        with atomic_folder(run.folder) as tmp:  # replaces an empty folder
+            for name in FILES:
+                if (record / name).is_file():
+                    text = (record / name).read_text()
+                    (tmp / name).write_text(_local(text, root) if name == IDENTITY else text)
         restored += 1
     return restored

@@ -25,6 +25,7 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
+from fbt_megatron.io import atomic_write
 from fbt_megatron.metrics import read_metrics
 from fbt_megatron.studies.grid import REPO, RunSpec
 
@@ -57,9 +58,7 @@ def is_done(run: RunSpec) -> bool:
 
 
 def _write_json(path: Path, value) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(value, indent=2) + "\n")
 
 
 def identity(run: RunSpec) -> dict:
@@ -207,11 +206,9 @@ class Runner:
         if last != run.steps:
             raise RuntimeError(f"training stopped at step {last} of {run.steps} (interrupted: run the study again to resume)")
         if run.evaluate is not None:
-            tmp = run.folder / (EVAL + ".tmp")
-            code = self._process(eval_command(run, tmp), run.folder / "eval.log")
+            code = self._process(eval_command(run, run.folder / EVAL), run.folder / "eval.log")  # written whole (io.atomic_write)
             if code != 0:
                 raise RuntimeError(f"evaluation exited with {code}; see {run.folder / 'eval.log'}")
-            os.replace(tmp, run.folder / EVAL)
         wall = time.time() - start
         _write_json(run.folder / DONE, {"steps": run.steps, "wall_s": round(wall, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
         tqdm.write(f"[{run.label}] done in {wall / 60:.1f} min")

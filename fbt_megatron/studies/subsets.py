@@ -19,17 +19,17 @@ otherwise be memorised and read as generalisation. With ``max_document_share``, 
 than that share of ``tokens`` is left out, so that no one document makes most of the subset (the
 stdlib's generated ``pydoc_data/topics.py``, English prose, would be 78% of a 300K subset). Leaving
 documents out keeps the others' order, so a subset that holds none of them is the same with or
-without a rule; the manifest lists what each rule left out. The folder is built beside
-its place and renamed into it; an existing subset is reused when it was made the same way, and is an
+without a rule; the manifest lists what each rule left out. The folder is written whole
+(``io.atomic_folder``); an existing subset is reused when it was made the same way, and is an
 error otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import tempfile
 from typing import Optional
 
 import numpy
@@ -37,6 +37,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from fbt_megatron.data.corpus import MANIFEST, Corpus, load_corpus
 from fbt_megatron.data.preprocess import preprocess
+from fbt_megatron.io import FolderExists, atomic_folder
 
 
 LONG_LINE = 40  # characters: shorter lines (``else:``, ``return None``) are shared by any two programs
@@ -105,11 +106,7 @@ def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int
     chosen = choose_documents(lengths, tokens, order_seed, frozenset(excluded) | frozenset(too_long))
     if not chosen:
         raise ValueError(f"no document of {corpus_folder}'s train split fits in {tokens} tokens; ask for more")
-    parent, name = os.path.split(output)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    os.chmod(tmp, 0o755)
-    try:
+    with contextlib.suppress(FolderExists), atomic_folder(output) as tmp:  # FolderExists: another process made it first
         source_docs = os.path.join(corpus_folder, manifest["splits"]["train"]["docs"])
         keep, long_ones = set(chosen), set(too_long) if max_document_share is not None else set()
         lines, too_long_names = [], []
@@ -136,9 +133,4 @@ def prepare_subset(corpus_folder: str, output: str, tokens: int, order_seed: int
                               "too_long": too_long_names}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
-        os.rename(tmp, output)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (isinstance(e, OSError) and os.path.isdir(output)):  # else another process made it first
-            raise
     return load_corpus(output)

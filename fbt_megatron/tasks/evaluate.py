@@ -27,6 +27,8 @@ from typing import Dict, Iterator, List, Sequence
 
 import torch
 
+from fbt_megatron.io import atomic_write
+
 FULL = "full recurrence"
 
 
@@ -148,8 +150,7 @@ def main(argv: List[str] | None = None) -> int:
           f"of length {result['test_length']}; accuracy by position (chance {result['chance']:.2f})")
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        atomic_write(args.json, json.dumps(result, indent=2))
     return 0
 
 

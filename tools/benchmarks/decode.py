@@ -5,19 +5,22 @@
   * prefill time of Fused(n) against Standard, n = 1, 2, 3 (goal ≤ (n + 1) × 1.02);
   * the Hugging Face export's Standard decoding speed against transformers' ``LlamaForCausalLM``
     of the same shape (goal ≥ 0.97; FBT's layers add sandwich norms, QK norms and a head gate).
-A decode time per token is (time of prompt + N tokens − time of prompt + 1 token) / (N − 1), both
-measured in the same round.
+A decode time per token is measured inside one generation of N tokens: (time the N-th token was
+chosen − time the first was) / (N − 1), from timestamps the generation hands out as it goes
+(``generate``'s ``on_token``, transformers' streamer); a prefill time is a generation of 1 token.
+No time is the difference of two separately timed runs, so none is negative on a busy machine.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+import time
 from typing import Callable, Dict, List
 
 import torch
 
-from .measure import Ratio, median_ratio, progress, settings, shape_overrides, start, time_rounds
+from .measure import Ratio, Seconds, median_ratio, progress, settings, shape_overrides, start, time_rounds
 from .report import format_report as report
 
 FLAG = "--decode"
@@ -64,17 +67,56 @@ def build_models(args, shape: dict) -> dict:
     return {"mcore": mcore, "hf_fbt": hf.eval(), "hf_llama": llama.eval()}
 
 
+class TokenClock:
+    """The times at which a generation hands out its tokens: a callable for ``generate``'s
+    ``on_token`` and a transformers streamer (whose first ``put`` is the prompt, not a token)."""
+
+    def __init__(self, streamer: bool = False):
+        self.times: List[float] = []
+        self.skip = int(streamer)
+
+    def __call__(self, *_):
+        self.times.append(time.perf_counter())
+
+    def put(self, _tokens):
+        if self.skip:
+            self.skip -= 1
+        else:
+            self()
+
+    def end(self):
+        pass
+
+    def per_token(self) -> Seconds:
+        """Seconds per token after the first (the first comes out of the prefill)."""
+        return Seconds((self.times[-1] - self.times[0]) / (len(self.times) - 1))
+
+
 def make_steps(models: dict, prompt: List[int], new_tokens: int) -> Dict[str, Dict[int, Callable[[], None]]]:
-    """{variant: {tokens generated: the call}}: 1 token (the prompt's prefill) and ``new_tokens``."""
+    """{variant: {tokens generated: the call}}: 1 token (the prompt's prefill, timed whole) and
+    ``new_tokens`` (returns its own per-token decode time)."""
     from fbt_megatron.generate import generate
 
     def mcore(mode: str, n: int = 0):
-        return lambda count: lambda: generate(models["mcore"], [prompt], mode=mode, fused_passes=n, max_new_tokens=count)
+        def call(count: int):
+            def step():
+                clock = TokenClock()
+                generate(models["mcore"], [prompt], mode=mode, fused_passes=n, max_new_tokens=count, on_token=clock)
+                return clock.per_token() if count > 1 else None
+            return step
+        return call
 
     def hf(name: str):
         ids = torch.tensor([prompt])
-        return lambda count: lambda: models[name].generate(ids, max_new_tokens=count, min_new_tokens=count,
-                                                           do_sample=False, pad_token_id=0)
+
+        def call(count: int):
+            def step():
+                clock = TokenClock(streamer=True)
+                models[name].generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                                      pad_token_id=0, streamer=clock)
+                return clock.per_token() if count > 1 else None
+            return step
+        return call
 
     makers = {"standard": mcore("standard"), "soft": mcore("soft"),
               **{f"fused{n}": mcore("fused", n) for n in FUSED_PREFILL}, "hf_fbt": hf("hf_fbt"), "hf_llama": hf("hf_llama")}
@@ -95,8 +137,7 @@ def measure(args) -> dict:
         time_rounds(flat, args.warmup, bar)
         times = time_rounds(flat, args.repeats, bar)
     prefill = {name: times[f"{name}@1"] for name in steps}
-    per_token = {name: [(full - first) / (args.new_tokens - 1) for full, first in zip(times[f"{name}@{args.new_tokens}"], prefill[name])]
-                 for name, calls in steps.items() if args.new_tokens in calls}
+    per_token = {name: times[f"{name}@{args.new_tokens}"] for name, calls in steps.items() if args.new_tokens in calls}
     ratios = {}
     for r in RATIOS:
         series = per_token if r.kind == "decode" else prefill

@@ -1,7 +1,7 @@
 """The tiny SFT set (``data.corpus: sft:stdlib`` or ``sft:FOLDER`` of ``.py`` files), prepared on first use:
 questions about the public functions and classes of Python's standard library answered with the
 first paragraph of their docstrings (and, for some, a follow-up about their parameters), split by
-module like the corpus, written whole (``folders.atomic_folder``) to ``data.data_path``::
+module like the corpus, written whole (``io.atomic_folder``) to ``data.data_path``::
 
     sft.json                    manifest: settings (source, tokenizer, sequence length), files, conversations
     train.jsonl, valid.jsonl    the chat records that fit the sequence
@@ -20,7 +20,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from fbt_megatron.data.sft.chat import DEFAULT_CHAT_TEMPLATE, ChatEncoder, write_tokenizer_config
 from fbt_megatron.data.tokenizer import load_tokenizer
-from fbt_megatron.folders import atomic_folder
+from fbt_megatron.io import FolderExists, atomic_folder
 
 MANIFEST = "sft.json"
 SOURCE_PREFIX = "sft:"
@@ -96,28 +96,44 @@ def ensure_sft_set(corpus: str, output: str, tokenizer_model: Optional[str], seq
     """Prepare the tiny SFT set ``output`` from ``corpus`` ("sft:stdlib" or "sft:FOLDER") unless it
     is there already, made with the same settings: train.jsonl, valid.jsonl (conversations that fit
     ``seq_length`` positions), a copy of the tokenizer with a tokenizer_config.json (the chat
-    template) and sft.json, written whole (``folders.atomic_folder``)."""
-    from fbt_megatron.data.corpus import source_documents, split_documents
-
+    template) and sft.json, written whole (``io.atomic_folder``)."""
     source = set_source(corpus)
     if tokenizer_model is None:
         raise ValueError(f"--corpus {corpus} needs --tokenizer-model (the tokenizer of the run to fine-tune)")
     tokenizer = load_tokenizer(tokenizer_model)
     settings = {"source": source if source == "stdlib" else os.path.abspath(source), "tokenizer_sha256": tokenizer.sha256,
                 "seq_length": seq_length}
+    if _prepared(output, settings):
+        return
+    if source != "stdlib" and not os.path.isdir(source):
+        raise FileNotFoundError(f"--corpus {corpus}: {source} is not a folder of .py files (or use sft:stdlib)")
+    try:
+        _write_set(output, source, tokenizer_model, tokenizer, settings)
+    except FolderExists:  # another process (a run started beside this one) finished it first: theirs, if the same
+        _prepared(output, settings)
+
+
+def _prepared(output: str, settings: dict) -> bool:
+    """True when ``output`` holds the SFT set of ``settings``, False when there is nothing there; else
+    a ValueError naming the fix."""
     existing = _manifest(output)
     if existing is not None:
         if existing.get("settings") != settings:
             raise ValueError(f"--data-path {output} holds an SFT set prepared from other settings ({existing.get('settings')}); "
                              f"choose another --data-path or remove it")
-        return
+        return True
     if os.path.exists(output) and os.listdir(output):
         raise ValueError(f"--data-path {output} exists and is not an SFT set; choose another --data-path")
-    if source != "stdlib" and not os.path.isdir(source):
-        raise FileNotFoundError(f"--corpus {corpus}: {source} is not a folder of .py files (or use sft:stdlib)")
+    return False
+
+
+def _write_set(output: str, source: str, tokenizer_model: str, tokenizer, settings: dict) -> None:
+    from fbt_megatron.data.corpus import source_documents, split_documents
+
     documents = [d for d in source_documents(source) if d.name.endswith(".py")]
     in_valid = split_documents([d.name for d in documents], 0.1)
     encoder = ChatEncoder(tokenizer, DEFAULT_CHAT_TEMPLATE, "the default chat template")
+    seq_length = settings["seq_length"]
     with atomic_folder(output) as tmp:
         counts = {}
         for split, wanted in zip(SPLITS, (False, True)):
