@@ -1,5 +1,6 @@
 """The import graph of ``fbt_megatron`` (read with ``ast``, nothing imported): no cycles, no import from
-a lower layer to a higher one, and no module imports an entry point.
+a lower layer to a higher one, and no module imports an entry point; and no function is longer
+than a screen.
 
 The layers, lowest first, are written down once here. A module belongs to the layer of the longest
 name in ``LAYERS`` that is it or a package holding it (``data.build`` is a run's, the rest of
@@ -100,3 +101,11 @@ def test_no_module_imports_an_entry_point():
     importers = [f"fbt_megatron.{name} imports fbt_megatron.{dep}"
                  for name, deps in sorted(graph().items()) for dep in sorted(deps & entry_points)]
     assert not importers, "\n".join(importers)
+
+
+def test_no_function_is_longer_than_a_screen():
+    """Every function in the package reads on one screen: at most 80 lines, docstring included."""
+    long = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]
+    assert not long, "\n".join(long)

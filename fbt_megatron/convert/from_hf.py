@@ -184,6 +184,34 @@ def check_layout(h: dict, tp: int, pp: int) -> None:
 
 
 # ---------------------------------------------------------------- the import
+def _as_fbt_config(folder: Path, raw: dict) -> dict:
+    """The FBT config (HF keys) of an FBT export or a Llama-style checkpoint; one line for the rest."""
+    model_type = raw["model_type"]
+    if model_type == "fbt":
+        return mapping.complete_fbt_config(raw)
+    if model_type in LLAMA_LIKE:
+        return llama_as_fbt(folder, raw)
+    if model_type == "qwen2":
+        _refuse("its attention has q/k/v biases (FBT layers have none)", model_type)
+    raise ConversionError(f"cannot import model_type {model_type!r}: fbt-megatron reads FBT exports and "
+                          f"Llama-style checkpoints ({', '.join(LLAMA_LIKE)})")
+
+
+def _mapped_weights(folder: Path, shape, model_type: str) -> dict:
+    """The checkpoint's tensors under megatron-core's names; one line for a tensor with no place."""
+    fbt = model_type == "fbt"
+    tensors = read_safetensors(folder)
+    if not fbt:
+        tensors = llama_tensors(tensors, model_type)
+    weights = mapping.from_hf(tensors, shape, fusion=fbt and shape.latent_feedback)
+    expected = set(mapping.hf_shapes(shape)) if fbt else {n for n in mapping.hf_shapes(shape) if not n.startswith("model.feedback.")}
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise ConversionError(f"{folder}: weight {unexpected[0]}{more} has no place in the FBT model (cannot map it)")
+    return weights
+
+
 def import_checkpoint(input: str, save: str, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                       seed: int = 1234, seq_length: Optional[int] = None, say: Callable[[str], None] = print) -> Path:
     """Convert HF folder ``input`` to the new run folder ``save``; returns it. Raises ValueError
@@ -198,27 +226,11 @@ def import_checkpoint(input: str, save: str, tensor_model_parallel_size: int = 1
     raw = read_config(folder)
     out = check_new_folder(save, "--save")
     model_type = raw["model_type"]
-    if model_type == "fbt":
-        h = mapping.complete_fbt_config(raw)
-    elif model_type in LLAMA_LIKE:
-        h = llama_as_fbt(folder, raw)
-    elif model_type == "qwen2":
-        _refuse("its attention has q/k/v biases (FBT layers have none)", model_type)
-    else:
-        raise ConversionError(f"cannot import model_type {model_type!r}: fbt-megatron reads FBT exports and "
-                              f"Llama-style checkpoints ({', '.join(LLAMA_LIKE)})")
+    fbt = model_type == "fbt"
+    h = _as_fbt_config(folder, raw)
     check_layout(h, tensor_model_parallel_size, pipeline_model_parallel_size)
     shape = mapping.Shape.of_hf(h)
-    tensors = read_safetensors(folder)
-    if model_type != "fbt":
-        tensors = llama_tensors(tensors, model_type)
-    fbt = model_type == "fbt"
-    weights = mapping.from_hf(tensors, shape, fusion=fbt and shape.latent_feedback)
-    expected = set(mapping.hf_shapes(shape)) if fbt else {n for n in mapping.hf_shapes(shape) if not n.startswith("model.feedback.")}
-    unexpected = sorted(set(tensors) - expected)
-    if unexpected:
-        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
-        raise ConversionError(f"{folder}: weight {unexpected[0]}{more} has no place in the FBT model (cannot map it)")
+    weights = _mapped_weights(folder, shape, model_type)
 
     tokenizer = next((folder / n for n in TOKENIZER_FILES if (folder / n).is_file()), None)
     final_tokenizer = str(out.absolute() / tokenizer.name) if tokenizer else None

@@ -35,22 +35,34 @@ headroom (the planner refuses at 100% of the GPU's memory and warns above 90%).
 
 A process on CPU (no GPU: the rehearsal, the tests) holds everything in its RSS, and three terms more,
 measured with a sampler of RSS and the main thread's stack on fbt-1b at full width and vocabulary
-(2, 6 and 12 layers, 256 tokens, NorMuon + Adam, FP32; docs/planning.md):
+(2, 6 and 12 layers, 256 tokens, NorMuon + Adam, FP32), and with glibc's ``mallinfo2`` beside them at
+the rehearsal's CI size (1 and 4 layers, vocabulary 2,048, 32 tokens, TP 1 and 2; docs/planning.md):
 
-* **runtime**: the interpreter, torch and megatron-core (0.4 GiB before the model is built) and what
-  the allocator keeps after the first step (≈ 0.3 GiB): ``RUNTIME`` bytes;
+* **runtime**: the interpreter, torch and megatron-core (0.4 GiB before the model is built, at TP 1
+  and 2) and what the allocator keeps: ≈ 0.15 GiB (``RUNTIME`` bytes together; fitted: ≈ 0.1 at TP 2,
+  0.2 at TP 1) and a third of a layer's FP32 matrices (whole: the same at TP 2) per layer of the stage
+  (``RETAINED_PER_LAYER``; 0.047 GiB at fbt-1b's width). glibc serves tensors under its mmap
+  threshold (32 MiB at most) from its heap and keeps what they leave free there: at the step's peak
+  the heap's free bytes grew by ≈ 0.05 GiB per layer (1 → 4 layers), and the process's RSS beyond
+  its tensors by 0.047–0.058 GiB per layer (1 → 4 layers at TP 1 and 2, 2 → 12 layers at full size),
+  the same at TP 2 as at TP 1 (not measured why; likely NorMuon's owner working on whole matrices,
+  and shards falling under the threshold that whole matrices exceed). A constant 0.7 GiB was
+  0.13–0.2 GiB over at one layer, TP 2 (0.50–0.57 GiB measured: the rehearsal's reshard check at
+  0.81–0.85×) and 0.4–1.4 GiB under at 12–24 layers;
 * **transients**: the larger of 2 · 4·V·D/TP on a stage that holds the embedding and, with NorMuon,
   5 · 4 bytes of its largest matrix (whole: NorMuon gathers TP shards). Without Transformer Engine's
   gradient-accumulation fusion the tied output layer's weight gradient is a tensor of its own, held by
   autograd until the embedding's gradient arrives at the end of backward (and that one is dense); in
   the optimizer step torch's single-tensor Adam makes two temporaries the size of its largest tensor,
   the embedding, and NorMuon about five of a matrix (the Nesterov update, the Newton–Schulz iterate,
-  the normalised and the scaled direction, the QKV join);
+  the normalised and the scaled direction, the QKV join): at TP 2 the owner of FC1 adds 0.381 GiB
+  of mmapped memory in the step, five whole FC1, the other rank 0.15–0.25 GiB;
 * **checkpoint copies** (``--async-save``): megatron-core's writer clones the CPU tensors that are
   views (the distributed optimizer's FP32 views of the weights and the model's split QKV/FC1 views),
   together the size of the stage's weights but the embedding, held until the save is finalized after
   the next step. A blocking save frees them before the next step: it counts only what they exceed the
-  step's activations and transients by (its peak is the larger of the step's and the save's). On a
+  step's activations and transients by (its peak is the larger of the step's and the save's); so does
+  a run whose only save follows its only step (the rehearsal's reshard stage), async or not. On a
   GPU they are host memory.
 """
 
@@ -80,7 +92,8 @@ class Layout:
     async_save: bool = False
 
 
-RUNTIME = 0.7 * 2**30  # bytes of a CPU process's interpreter, libraries and allocator (module docstring)
+RUNTIME = 0.55 * 2**30  # bytes of a CPU process's interpreter and libraries (0.4 GiB) and allocator (module docstring)
+RETAINED_PER_LAYER = 1 / 3  # of the FP32 bytes of a layer's matrices, whole: what the allocator keeps per layer on CPU
 
 
 @dataclass
@@ -179,12 +192,21 @@ def activations(config, layout: Layout, stage: Stage, passes: int) -> Estimate:
     return Estimate({"activations": total}, logits=logits * held_logits)
 
 
-def process_bytes(stage: Stage, layout: Layout) -> Dict[str, float]:
+def layer_matrix_params(config) -> int:
+    """A decoder layer's QKV, projection, FC1 and FC2 weights, whole (not TP shards)."""
+    c = config
+    d, h, g = c.kv_channels, c.num_attention_heads, c.num_query_groups or c.num_attention_heads
+    fc1 = (2 if c.gated_linear_unit else 1) * c.ffn_hidden_size
+    return c.hidden_size * (h * d + 2 * g * d) + h * d * c.hidden_size + (fc1 + c.ffn_hidden_size) * c.hidden_size
+
+
+def process_bytes(stage: Stage, layout: Layout, config) -> Dict[str, float]:
     """What a training process on CPU holds besides its tensors (module docstring); none on a GPU."""
     if not layout.cpu:
         return {}
+    retained = RETAINED_PER_LAYER * 4 * layer_matrix_params(config) * stage.layers
     normuon = 5 * 4 * stage.largest_matrix if layout.optimizer == "normuon" else 0
-    return {"runtime": RUNTIME, "transients": max(2 * 4 * stage.embedding_params, normuon)}
+    return {"runtime": RUNTIME + retained, "transients": max(2 * 4 * stage.embedding_params, normuon)}
 
 
 def checkpoint_copies(stage: Stage, layout: Layout, step_peak: float) -> Dict[str, float]:
@@ -199,7 +221,7 @@ def checkpoint_copies(stage: Stage, layout: Layout, step_peak: float) -> Dict[st
 def estimate(config, layout: Layout, stage: Stage, passes: int) -> Estimate:
     """All terms of a stage's rank at a step of ``passes`` passes."""
     act = activations(config, layout, stage, passes)
-    process = process_bytes(stage, layout)
+    process = process_bytes(stage, layout, config)
     step_peak = act.terms["activations"] + process.get("transients", 0.0)
     terms = {**state_bytes(stage, layout), **act.terms, **process, **checkpoint_copies(stage, layout, step_peak)}
     return Estimate(terms, logits=act.logits, stage=stage.rank)

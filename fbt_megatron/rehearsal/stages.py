@@ -6,7 +6,7 @@
    and its one checkpoint, saved async (the last save of a run: no step runs beside its copies), must
    equal ``train``'s step-2 checkpoint file for file;
 3. ``reshard``: the same from the step-1 checkpoint at TP ``reshard_tp`` (torchrun, one process per
-   rank, saves as ``train``'s: its async last save measured 9.99 GiB per rank at fbt-1b, 1.15× the
+   rank, saves as ``train``'s: its async last save measured 9.99 GiB per rank at fbt-1b, 1.03× the
    planner's blocking estimate): step 2's losses equal ``train``'s to float32 summation order;
 4. ``export``: ``convert to-hf`` in bfloat16, sharded safetensors with an index;
 5. ``import``: ``convert from-hf`` of the export; ``re-export``: to-hf again, equal tensor for tensor;
@@ -141,11 +141,13 @@ class Rehearsal:
         return flags.parse(["--recipe", self.o.recipe], prog="rehearse", description="").model.preset
 
     def make_plan(self, world: int, tp: Optional[int] = None):
-        """The planner's plan of the training flags as they stand (``tp``: the reshard stage's)."""
+        """The planner's plan of the training flags as they stand (``tp``: the reshard stage's, planned with a
+        blocking save: its one save follows its one step, so no step runs beside an async save's copies)."""
         from fbt_megatron import flags
         from fbt_megatron.plan.planner import make_plan
 
-        argv = [str(x) for x in self.train_flags()] + (["--tensor-model-parallel-size", str(tp)] if tp else [])
+        reshard = ["--tensor-model-parallel-size", str(tp), "--async-save", "false"] if tp else []
+        argv = [str(x) for x in self.train_flags()] + reshard
         return make_plan(flags.parse(argv, prog="rehearse", description=""), world, transformer_engine=False)
 
     def fit(self) -> None:
