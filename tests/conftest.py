@@ -7,11 +7,15 @@ import torch
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+from fbt_megatron.common.logs import setup_logging  # noqa: E402
+
+setup_logging()  # as every command's main does: the package's lines in the tests' captured stdout and stderr
+
 
 @pytest.fixture(scope="session", autouse=True)
 def megatron_single_process():
     """One-process torch.distributed + megatron parallel state for in-process tests."""
-    from fbt_megatron import platform
+    from fbt_megatron.common import platform
 
     platform.init_distributed(seed_value=1234)
     yield

@@ -21,8 +21,8 @@ def tensors(folder, model_args: dict, prefix: str = "") -> dict:
     """The model's tensors in the checkpoint ``folder`` (those under the key ``prefix``), by name."""
     from megatron.core import dist_checkpointing
 
-    from fbt_megatron.config import make_config
-    from fbt_megatron.model import FBTModel
+    from fbt_megatron.model.config import make_config
+    from fbt_megatron.model.fbt_model import FBTModel
 
     model = FBTModel(make_config("tiny", **model_args))
     state = dist_checkpointing.load(model.sharded_state_dict(prefix=prefix), str(folder))

@@ -1,10 +1,10 @@
 """Command lines run as a person runs them, without paying the interpreter's start-up for each.
 
 ``run_commands(module, commands)`` starts one Python process that imports ``module`` (what
-``python -m`` runs, e.g. ``fbt_megatron.train`` or ``fbt_megatron.generate.__main__``: torch and
+``python -m`` runs, e.g. ``fbt_megatron.train`` or ``fbt_megatron.generate``: torch and
 megatron-core, seconds of start-up), then forks one child per command line, in order, each a real
 process of its own: its own ``sys.argv``, the module's ``main`` run as ``python -m`` runs it
-(``fbt_megatron.cli.run_cli``) to its exit code, stdout and stderr in files. A later command sees what earlier ones wrote (a
+(``fbt_megatron.common.cli.run_cli``) to its exit code, stdout and stderr in files. A later command sees what earlier ones wrote (a
 resumed run after the run it resumes). Nothing but the imports is shared: the parent runs no
 torch work before forking.
 
@@ -46,7 +46,7 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import psutil
 
-from fbt_megatron.cli import run_cli
+from fbt_megatron.common.cli import run_cli
 
 ROOT = Path(__file__).parent.parent
 

@@ -1,7 +1,7 @@
 import torch
 
-from fbt_megatron.config import make_config
-from fbt_megatron.model import FBTModel
+from fbt_megatron.model.config import make_config
+from fbt_megatron.model.fbt_model import FBTModel
 
 
 def build(seed=0, **overrides):

@@ -8,7 +8,7 @@ import sys
 
 from torch.distributed import run
 
-from fbt_megatron import stopping
+from fbt_megatron.trainer import stopping
 
 
 def without_signals_option(parser):

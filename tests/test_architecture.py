@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from helpers import build, tokens
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-from helpers import build, tokens
 from reference import Reference
 
 # Each variant switches one architectural feature; a short window (8 < T = 24) makes the window
@@ -103,7 +102,7 @@ def test_the_te_specs_fused_mlp_norm_keeps_the_local_checkpoint_name():
 
     from megatron.core.dist_checkpointing.utils import apply_prefix_mapping, replace_prefix_for_sharding
 
-    from fbt_megatron.model import FUSED_NORM_KEYS
+    from fbt_megatron.model.fbt_model import FUSED_NORM_KEYS
 
     local = build().sharded_state_dict()
     layer = "decoder.layers.0."

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fbt_megatron import checkpointing
-from fbt_megatron.checkpointing import CheckpointError
 from test_train import SMALL, train, train_many, tree_hash
+
+from fbt_megatron.trainer import checkpointing
+from fbt_megatron.trainer.checkpointing import CheckpointError
 
 # Saves at 2 and 4 and stops; resuming with --train-iters 6 keeps the same learning-rate schedule.
 RUN = [*SMALL, "--train-iters", "6", "--save-interval", "2", "--exit-interval", "4", "--lr-decay-style", "constant"]

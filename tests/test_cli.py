@@ -5,10 +5,10 @@ import re
 from pathlib import Path
 
 import pytest
-
-from fbt_megatron.flags import parse
-from fbt_megatron.recipe import RecipeError
 from forked import run_commands
+
+from fbt_megatron.recipe import RecipeError
+from fbt_megatron.recipe.flags import parse
 
 ROOT = Path(__file__).parent.parent
 SNAPSHOT = Path(__file__).parent / "snapshots" / "train_help.txt"
@@ -104,8 +104,8 @@ def test_a_blend_of_another_vocabulary_is_one_line_at_start_and_in_the_preflight
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from fbt_megatron.metrics import validation_note
-    from fbt_megatron.slurm.preflight import vocabulary_problems
+    from fbt_megatron.launch.slurm.preflight import vocabulary_problems
+    from fbt_megatron.trainer.metrics import validation_note
 
     prefix, tokenizer = str(tmp_path / "other_text_document"), small_corpus.tokenizer_path
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)

@@ -1,4 +1,4 @@
-"""The megatron-core release layer (fbt_megatron.compat), on whichever release is installed (CI runs
+"""The megatron-core release layer (fbt_megatron.common.compat), on whichever release is installed (CI runs
 this on megatron-core 0.16 and on 0.19). The rest of what differs between them is covered by the
 tests both CI stages run: model, training step, exact resume, parallel layouts, export."""
 
@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from fbt_megatron import checkpointing, compat
-
 # metadata.json of a checkpoint folder as each release writes it
+from fbt_megatron.common import compat
+from fbt_megatron.trainer import checkpointing
+
 METADATA = {
     "0.16": {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1},
     "0.19": {"sharded_backend": "torch_dist", "sharded_backend_version": 1},

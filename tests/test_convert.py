@@ -24,14 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fbt_megatron.convert import ConversionError
-from fbt_megatron.convert.from_hf import import_checkpoint
-from fbt_megatron.convert.to_hf import export
-from fbt_megatron.fbt import Feedback, fuse_mask, run_pass
-from fbt_megatron.runs import load_run
 from helpers import launch
 from test_train import train
+
+from fbt_megatron.inference.convert import ConversionError
+from fbt_megatron.inference.convert.from_hf import import_checkpoint
+from fbt_megatron.inference.convert.to_hf import export
+from fbt_megatron.inference.runs import load_run
+from fbt_megatron.model.fbt import Feedback, fuse_mask, run_pass
 
 ROOT = Path(__file__).parent.parent
 TOL = 1e-5
@@ -100,7 +100,7 @@ def test_export_loads_offline_and_computes_megatrons_logits(trained):
     assert {"config.json", "configuration_fbt.py", "modeling_fbt.py", "tokenization_fbt.py", "model.safetensors",
             "tokenizer.model", "tokenizer_config.json", "generation_config.json", "README.md"} <= names
     for name in ("configuration_fbt.py", "modeling_fbt.py", "tokenization_fbt.py"):  # verbatim copies
-        assert (hf / name).read_bytes() == (ROOT / "fbt_megatron" / "convert" / "hf" / name).read_bytes()
+        assert (hf / name).read_bytes() == (ROOT / "fbt_megatron" / "inference" / "convert" / "hf" / name).read_bytes()
     config = json.loads((hf / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2 and config["sliding_window"] == 32
     assert config["residual_scale"] == pytest.approx(1 / 8**0.5) and config["vocab_size"] == 512
@@ -150,7 +150,7 @@ def test_the_export_stands_alone(trained, tmp_path):
 
 
 def test_decoding_logits_equal_megatrons_generation(trained):
-    generate_api = pytest.importorskip("fbt_megatron.generate", reason="fbt_megatron.generate (helper A) is not there yet")
+    from fbt_megatron.inference import generate as generate_api
     run = load_run(str(trained / "run"))
     model = hf_model(trained / "hf")
     tokens = sample_tokens(512, batch=2, seq=40, seed=1)
@@ -176,7 +176,7 @@ def test_one_default_mode_soft_for_fbt(trained):
     config.json says so. (vLLM without ``vllm_xargs``: tests/test_serving.py.)"""
     from transformers import AutoTokenizer, pipeline
 
-    from fbt_megatron.generate import generate
+    from fbt_megatron.inference.generate import generate
 
     hf = trained / "hf"
     assert json.loads((hf / "config.json").read_text())["decode_mode"] == "soft"
@@ -200,11 +200,11 @@ def test_one_default_mode_soft_for_fbt(trained):
 
 def synthetic_run(folder: Path, tokenizer: str, iteration: int = 3, **model) -> Path:
     """A run folder holding random weights (norms too) of a tiny model with ``model`` overrides."""
-    from fbt_megatron import checkpointing
+    from fbt_megatron.inference.runs import build_inference_model
+    from fbt_megatron.model.config import recipe_config as model_config
     from fbt_megatron.recipe import recipe_from_dict
-    from fbt_megatron.checkpointing import TrainState
-    from fbt_megatron.config import recipe_config as model_config
-    from fbt_megatron.runs import build_inference_model
+    from fbt_megatron.trainer import checkpointing
+    from fbt_megatron.trainer.checkpointing import TrainState
 
     recipe = recipe_from_dict({"model": {"preset": "tiny", **model}, "training": {"seed": 5},
                                "data": {"data_path": None, "corpus": None, "tokenizer_model": tokenizer, "seq_length": 64}})
@@ -384,11 +384,11 @@ def test_training_at_tp2_starts_from_an_import(tmp_path, small_corpus):
                         "--eval-iters", "0", "--lr-warmup-iters", "0", "--log-interval", "1", "--passes", "2", nproc=2)
     assert code == 0, text[-3000:]
     # its first loss is the imported model's on the first batch, computed here by one process
-    from fbt_megatron.fbt import masked_mean
-    from fbt_megatron.metrics import read_metrics
-    from fbt_megatron.runs import run_recipe
-    from fbt_megatron.data.build import build_data
-    from fbt_megatron.step import microbatches
+    from fbt_megatron.inference.runs import run_recipe
+    from fbt_megatron.model.fbt import masked_mean
+    from fbt_megatron.trainer.data import build_data
+    from fbt_megatron.trainer.metrics import read_metrics
+    from fbt_megatron.trainer.step import microbatches
 
     recipe, _ = run_recipe(str(tmp_path / "tuned"))
     model = load_run(str(run)).model
@@ -410,7 +410,7 @@ def cli(*args):
 
 
 def test_bad_inputs_are_one_error_line(trained, tmp_path):
-    from fbt_megatron.convert.__main__ import main
+    from fbt_megatron.convert import main
 
     (tmp_path / "empty_run").mkdir()
     damaged = tmp_path / "damaged"

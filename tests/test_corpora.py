@@ -17,7 +17,7 @@ import numpy
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from fbt_megatron.cli import plural, run_cli
+from fbt_megatron.common.cli import plural, run_cli
 from fbt_megatron.data import preprocess as preprocess_module
 from fbt_megatron.data.corpus import load_corpus, prepare_corpus
 from fbt_megatron.data.documents import BadRecords, iter_documents, progress, sources
@@ -248,9 +248,8 @@ def test_a_damaged_compressed_file_is_one_line_naming_it(tmp_path, tokenizer):
     not compressed at all: one line naming the file, about where it breaks and that
     --skip-bad-records does not cover it, exit code 2, nothing written (with or without the flag).
     The same files whole, and a .zst of two frames, read as the original."""
-    import zstandard
-
     import preprocess_data
+    import zstandard
 
     data = jsonl(TEXTS)
     gz, zst = gzip.compress(data), zstandard.ZstdCompressor().compress(data)
@@ -285,7 +284,6 @@ def test_a_dataset_dict_is_read_by_its_train_split(tmp_path, tokenizer):
     as a shard's unit); one without a train split is one line listing its splits, and a split's own
     folder reads that split."""
     import datasets
-
     import preprocess_data
 
     train, test = TEXTS[:20], TEXTS[20:]
@@ -388,7 +386,7 @@ def test_slurm_prepare_renders_a_shard_array_and_a_merge_after_it(formats, token
     import re
     import subprocess
 
-    from fbt_megatron.slurm import __main__ as slurm
+    from fbt_megatron import slurm
 
     inputs = str(formats["jsonl"] / "part-*.jsonl")
     common = ["prepare", "--input", inputs, "--tokenizer", tokenizer.path, "--time", "01:00:00", "--partition", "cpu",

@@ -2,7 +2,7 @@
 
 The rest of the suite computes on the host and runs every collective on gloo, which takes any
 tensor: a host tensor sent to a tensor-parallel all-gather passes there and crashes on NCCL. Under
-``FBT_SIMULATED_DEVICE=1`` (``fbt_megatron.simulated_device``) the compute device is ``fakegpu``, a
+``FBT_SIMULATED_DEVICE=1`` (``fbt_megatron.common.simulated_device``) the compute device is ``fakegpu``, a
 device that is not the host, and every group made from the default backend (TP, CP, PP, DP, the
 distributed optimizer's, NorMuon's owner gather) takes its tensors only, failing in torch's own
 device check with NCCL's error otherwise; gloo groups keep host tensors.
@@ -21,11 +21,11 @@ device check with NCCL's error otherwise; gloo groups keep host tensors.
 from pathlib import Path
 
 import pytest
-
 from equivalence import ENTRY, corpus_flags, worst_difference
-from fbt_megatron.metrics import read_metrics
 from forked import run_commands
 from helpers import launch
+
+from fbt_megatron.trainer.metrics import read_metrics
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
 SIMULATED = "FBT_SIMULATED_DEVICE"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fbt_megatron.diagnostics import common, fixed_point, generation, prefill, probes
-from fbt_megatron.metrics import read_metrics
 from helpers import launch
+
+from fbt_megatron.evaluation.diagnostics import common, fixed_point, generation, prefill, probes
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TRAIN = ["fbt_megatron.train", "--threads", "1", "--train-iters", "4", "--eval-interval", "4", "--eval-iters", "1"]
@@ -62,8 +62,8 @@ def test_prefill_reproduces_the_logged_validation_losses(lm_run, st_run, lm, st)
 
 
 def test_fixed_point_agrees_with_plain_passes_and_with_prefill(lm_run, lm, tmp_path):
-    from fbt_megatron.diagnostics.__main__ import main
-    from fbt_megatron.fbt import Feedback, fuse_mask, run_pass
+    from fbt_megatron.diagnostics import main
+    from fbt_megatron.model.fbt import Feedback, fuse_mask, run_pass
 
     assert main(["fixed-point", "--load", str(lm_run), "--output", str(tmp_path), "--max-passes", "5"]) == 0
     result = json.loads((tmp_path / "fixed-point.json").read_text())
@@ -98,7 +98,7 @@ def test_a_probe_reads_a_linearly_decodable_state():
 
 
 def test_layer_outputs_are_the_stack_input_and_the_residual_stream(st):
-    from fbt_megatron.fbt import default_feedback, run_pass
+    from fbt_megatron.model.fbt import default_feedback, run_pass
 
     run = st
     tokens = torch.randint(0, 2, (3, 32), generator=torch.Generator().manual_seed(1))
@@ -130,8 +130,8 @@ def test_probes_on_a_state_tracking_run_are_deterministic(st, tmp_path):
 
 # ---------------------------------------------------------------- generation
 def test_decoding_accuracy_agrees_with_tasks_evaluate(st, tmp_path):
-    from fbt_megatron.tasks.evaluate import FULL, accuracy_by_position
     from fbt_megatron.data.state_tracking import SPLIT_SEEDS
+    from fbt_megatron.evaluation.tasks.evaluate import FULL, accuracy_by_position
 
     run = st
     one_token = generation.generation(run, [1], lengths=[1, 2], prompt_length=1, sequences=16)
@@ -160,7 +160,7 @@ def test_bad_input_is_one_error_line(lm_run, lm, st, tmp_path):
     code, err = cli("probes", "--load", lm_run, "--output", tmp_path / "out")
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and "needs a state-tracking run" in err[0]
 
-    from fbt_megatron.diagnostics.__main__ import main
+    from fbt_megatron.diagnostics import main
 
     with pytest.raises(ValueError, match="--max-passes must be >= 1, got 0"):
         main(["fixed-point", "--load", str(lm_run), "--output", str(tmp_path / "out"), "--max-passes", "0"])

@@ -53,13 +53,15 @@ def rel(path: Path) -> str:
 
 
 def fenced_lines(text: str):
-    """(line number, logical line) of every line in a fenced block, with ``\\`` continuations joined."""
-    inside, pending, start = False, "", 0
+    """(line number, logical line) of every line in a fenced block, with ``\\`` continuations joined;
+    a ```python block is code, not commands, and is skipped."""
+    inside, code, pending, start = False, False, "", 0
     for number, line in enumerate(text.splitlines(), start=1):
         if line.lstrip().startswith("```"):
             inside, pending = not inside, ""
+            code = inside and line.strip() == "```python"
             continue
-        if not inside:
+        if not inside or code:
             continue
         if not pending:
             start = number
@@ -219,21 +221,21 @@ def check_train(command: Command, patch) -> None:
 
 
 def check_plan(command: Command, patch) -> None:
-    from fbt_megatron.plan.__main__ import parse
+    from fbt_megatron.plan import parse
 
     options, recipe = parse(command.args)
     recipe.validate(options.nodes * options.gpus_per_node, this_machine=False)
 
 
 def check_generate(command: Command, patch) -> None:
-    from fbt_megatron.generate.__main__ import parse
+    from fbt_megatron.generate import parse
 
     parse(command.args)
 
 
 def check_slurm(command: Command, patch) -> None:
     """``submit`` with its own flags before ``--`` and training flags after it, for every stage."""
-    from fbt_megatron.slurm.__main__ import parser
+    from fbt_megatron.slurm import parser
 
     args = command.args
     ours, training = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
@@ -246,7 +248,7 @@ def check_slurm(command: Command, patch) -> None:
 
 def check_task_evaluation(command: Command, patch) -> None:
     """Its own flags, the rest read as training flags, up to evaluating the run."""
-    import fbt_megatron.tasks.evaluate as module
+    import fbt_megatron.evaluation.tasks.evaluate as module
 
     def stop(*args, **kwargs):
         raise Parsed()
@@ -336,7 +338,7 @@ MODULES = {
     "fbt_megatron.plan": check_plan,
     "fbt_megatron.generate": check_generate,
     "fbt_megatron.slurm": check_slurm,
-    "fbt_megatron.tasks.evaluate": check_task_evaluation,
+    "fbt_megatron.evaluation.tasks.evaluate": check_task_evaluation,
     "fbt_megatron.evaluation": check_evaluation,
 }
 
@@ -438,7 +440,7 @@ def expand(path: str) -> List[str]:
 
 
 def test_every_quoted_path_exists():
-    """A file or folder of the repository quoted in the prose (`fbt_megatron/losses.py`, `tools/eval.py`,
+    """A file or folder of the repository quoted in the prose (`fbt_megatron/model/losses.py`, `tools/eval.py`,
     `recipes/sft.yaml`, `tests/test_stages.py`, `requirements-gpu.txt`) exists."""
     missing = []
     for page in PAGES:

@@ -24,9 +24,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from fbt_megatron import checkpointing
 from forked import run_commands
+
+from fbt_megatron.trainer import checkpointing
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fbt_megatron.cli import run_cli
+from fbt_megatron.common.cli import run_cli
 from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, build_tasks, ensure_tasks
-from fbt_megatron.decode_modes import parse_mode
+from fbt_megatron.model.decode_modes import parse_mode
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 4  # items per task in the lm-eval runs

@@ -3,15 +3,15 @@ against the training-time k-pass forward and the independent reference, sampling
 
 import pytest
 import torch
-from megatron.core.inference.contexts import StaticInferenceContext
-
-from fbt_megatron import fbt
-from fbt_megatron.generate import forced_logits, generate
-from fbt_megatron.generate.decoding import _Decoder
-from fbt_megatron.tasks.evaluate import pass_logits
 from forked import run_commands
 from helpers import build, tokens
+from megatron.core.inference.contexts import StaticInferenceContext
 from reference import Reference
+
+from fbt_megatron.evaluation.tasks.evaluate import pass_logits
+from fbt_megatron.inference.generate import forced_logits, generate
+from fbt_megatron.inference.generate.decoding import _Decoder
+from fbt_megatron.model import fbt
 
 WINDOWED = dict(sliding_window=4, full_attention_every=2)  # layers 1, 3: window 4; layers 2, 4: global
 RAGGED = [[5, 17, 3, 99, 250, 7], [40, 41, 42], [900, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -267,7 +267,7 @@ def test_cli(trained_runs):
         (("--load", runs["fbt"], "--prompt", "x", "--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),  # arguments
     ]
     logs = [folder / f"generate{i}.log" for i in range(len(commands) + len(refused))]
-    codes = run_commands("fbt_megatron.generate.__main__",
+    codes = run_commands("fbt_megatron.generate",
                          [(list(map(str, args)), log, None) for args, log in zip([*commands, *(a for a, _ in refused)], logs)])
     (soft, fused, adaptive), outs = codes[:3], [log.read_text() for log in logs]
     assert soft == 0, outs[0]

@@ -1,4 +1,4 @@
-"""The self-contained Hugging Face model code of exports (fbt_megatron/convert/hf/).
+"""The self-contained Hugging Face model code of exports (fbt_megatron/inference/convert/hf/).
 
 Checked: the HF forward equals the megatron model's passes (weights mapped by name); cached
 generation equals recomputation without a cache in every decoding mode, with left-padded batches
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fbt_megatron.convert.hf.configuration_fbt import FBTConfig
-from fbt_megatron.convert.hf.modeling_fbt import FBTForCausalLM
 from helpers import build
 from reference import Reference
 
-HF_DIR = Path(__file__).parent.parent / "fbt_megatron" / "convert" / "hf"
+from fbt_megatron.inference.convert.hf.configuration_fbt import FBTConfig
+from fbt_megatron.inference.convert.hf.modeling_fbt import FBTForCausalLM
+
+HF_DIR = Path(__file__).parent.parent / "fbt_megatron" / "inference" / "convert" / "hf"
 REMOTE_CODE = ("configuration_fbt.py", "modeling_fbt.py", "tokenization_fbt.py")
 AUTO_MAP = {"AutoConfig": "configuration_fbt.FBTConfig", "AutoModelForCausalLM": "modeling_fbt.FBTForCausalLM"}
 MODES = [("standard", 0), ("soft", 0), ("fused", 2)]
@@ -139,7 +139,7 @@ def test_forward_matches_megatron_passes(overrides):
     """forward(num_passes=k) equals the megatron model's k-th pass (fbt.run_pass, eval mode) for
     k = 1, 2, 3, a padded row equals its unpadded self, and soft decoding equals the reference
     implementation's decoding recurrence (tests/reference.py) on the megatron weights."""
-    from fbt_megatron.tasks.evaluate import pass_logits
+    from fbt_megatron.evaluation.tasks.evaluate import pass_logits
 
     model = build(seed=1, vocab_size=256, sliding_window=4, **overrides).eval()
     hf = hf_from_megatron(model)

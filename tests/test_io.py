@@ -1,4 +1,4 @@
-"""``fbt_megatron.io``: files, folders and ``.bin/.idx`` pairs written whole, and on disk.
+"""``fbt_megatron.common.io``: files, folders and ``.bin/.idx`` pairs written whole, and on disk.
 
 * A file is replaced whole: a writer that fails mid-way (an error, an interrupt) leaves the old
   content and no temporary file; the file is synced, renamed, then its folder synced; its mode is an
@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from fbt_megatron.common.folders import current_umask
+from fbt_megatron.common.io import FolderExists, append_synced, atomic_folder, atomic_open, atomic_write
 from fbt_megatron.data import shards
 from fbt_megatron.data.corpus import load_corpus
 from fbt_megatron.data.preprocess import preprocess
-from fbt_megatron.folders import current_umask
-from fbt_megatron.io import FolderExists, append_synced, atomic_folder, atomic_open, atomic_write
 
 CRASHED = 17  # the exit code of a child process that died publishing
 

@@ -1,4 +1,4 @@
-"""Watching a run (fbt_megatron.monitoring): Weights & Biases offline, each layer's norms, the
+"""Watching a run (fbt_megatron.trainer.callbacks): Weights & Biases offline, each layer's norms, the
 heartbeat, the rank → node record, stragglers.
 
 * One real run (one process, k = 2 every step) with ``--wandb-project`` under ``WANDB_MODE=offline``
@@ -31,14 +31,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from fbt_megatron.errors import RecipeError
-from fbt_megatron.metrics import read_metrics, tensorboard_scalars
-from fbt_megatron.monitoring.heartbeat import read_heartbeat
-from fbt_megatron.monitoring.ranks import read_ranks
-from fbt_megatron.monitoring.stragglers import read_stragglers
 from forked import run_commands, run_ranks
 from helpers import launch
+
+from fbt_megatron.common.errors import RecipeError
+from fbt_megatron.trainer.callbacks.heartbeat import read_heartbeat
+from fbt_megatron.trainer.callbacks.ranks import read_ranks
+from fbt_megatron.trainer.callbacks.stragglers import read_stragglers
+from fbt_megatron.trainer.metrics import read_metrics, tensorboard_scalars
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -146,8 +146,8 @@ def test_wandb_offline_run_is_resumed_and_holds_the_tensorboard_scalars(wandb_ru
 
 def _reference_param_norms(folder, iteration):
     """Each layer's parameter norm from the checkpoint's full tensors (one process, no sharding)."""
-    from fbt_megatron.monitoring.norms import layer_names
-    from fbt_megatron.runs import load_run
+    from fbt_megatron.inference.runs import load_run
+    from fbt_megatron.trainer.callbacks.norms import layer_names
 
     model = load_run(str(folder), iteration).model
     sums = {}
@@ -183,7 +183,7 @@ def test_online_wandb_without_an_api_key_is_one_line_at_start_up(runs):
 def test_an_api_key_is_found_in_the_environment_or_netrc(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from fbt_megatron.monitoring.wandb_writer import check_wandb
+    from fbt_megatron.recipe.wandb_check import check_wandb
 
     logging = SimpleNamespace(wandb_project="p", wandb_mode=None)
     for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_MODE"):
@@ -225,7 +225,7 @@ def test_the_heartbeat_of_a_killed_run_names_the_checkpoint_of_its_last_step(run
 def test_a_missing_wandb_package_is_one_line(monkeypatch):
     import sys
 
-    from fbt_megatron.monitoring.wandb_writer import require_wandb
+    from fbt_megatron.recipe.wandb_check import require_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(RecipeError, match=r"^--wandb-project needs the wandb package, which is not installed: pip install wandb"):

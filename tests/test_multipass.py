@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
-from fbt_megatron import fbt
 from helpers import build, tokens
 from reference import Reference
+
+from fbt_megatron.model import fbt
 
 
 def fixed_prefix_feedback(prefix):

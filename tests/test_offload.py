@@ -7,11 +7,11 @@ import weakref
 
 import pytest
 import torch
-
-from fbt_megatron import fbt
-from fbt_megatron.config import make_config
-from fbt_megatron.offload import STATS
 from helpers import build, tokens
+
+from fbt_megatron.model import fbt
+from fbt_megatron.model.config import make_config
+from fbt_megatron.model.offload import STATS
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
@@ -79,7 +79,7 @@ def test_kept_tensors_stay_and_the_rest_come_back_equal():
     """``keep`` (what a pipeline schedule holds anyway) is not copied; offloaded tensors return equal."""
     from megatron.core import tensor_parallel
 
-    from fbt_megatron.offload import HostOffload
+    from fbt_megatron.model.offload import HostOffload
 
     a, b = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
     STATS.reset()
@@ -95,7 +95,7 @@ def test_fp8_recompute_goes_through_transformer_engines_checkpoint():
     """Under FP8 a recomputed pass must use TE's checkpoint (it keeps the delayed-scaling scales of
     the first forward), as megatron-core's TransformerBlock does; megatron's checkpoint otherwise.
     Without TE (this CPU) megatron's te_checkpoint is reached and says TE is not installed."""
-    from fbt_megatron.offload import checkpoint
+    from fbt_megatron.model.offload import checkpoint
 
     x = torch.randn(4, requires_grad=True)
     plain = checkpoint(make_config("tiny"), lambda a, b: a * b, x, torch.full((4,), 2.0))

@@ -1,4 +1,4 @@
-"""Operations (fbt_megatron.stopping, fbt_megatron.bad_steps, checkpoint retention): runs that
+"""Operations (fbt_megatron.trainer.stopping, fbt_megatron.trainer.bad_steps, checkpoint retention): runs that
 stop early, steps that go bad, processes that die.
 
 * A skipped step is a step that never happened, for the optimizer: with Adam and NorMuon, fp32
@@ -26,11 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fbt_megatron import build, checkpointing, saver, train
-from fbt_megatron.bad_steps import optimizer_step
-from fbt_megatron.metrics import read_metrics
 from forked import Signal, descendants, run_commands, survivors
+
+from fbt_megatron import train
+from fbt_megatron.trainer import build, checkpointing, saver
+from fbt_megatron.trainer.bad_steps import optimizer_step
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -497,11 +498,11 @@ def test_the_launcher_waits_for_the_workers_stop_as_long_as_it_is_told(tmp_path)
     128 + 15, after saying so when it starts."""
     import os
 
+    from launch_torchrun import without_signals_option
     from torch.distributed import run
     from torch.distributed.launcher.api import LaunchConfig
 
-    from fbt_megatron.stopping import own_signal_options
-    from launch_torchrun import without_signals_option
+    from fbt_megatron.trainer.stopping import own_signal_options
 
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
     try:

@@ -18,14 +18,14 @@ import json
 import math
 from pathlib import Path
 
+import equivalence
 import pytest
 import torch
+from helpers import build, launch
 
-import equivalence
-from fbt_megatron.metrics import read_metrics
 from fbt_megatron.optimizers import uses_normuon
 from fbt_megatron.optimizers.normuon import NorMuon
-from helpers import build, launch
+from fbt_megatron.trainer.metrics import read_metrics
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
 TOLERANCE = 1e-5

@@ -18,12 +18,12 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
-from fbt_megatron import checkpointing
-from fbt_megatron.cli import run_cli
-from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, SPLIT_PERPLEXITY
-from fbt_megatron.metrics import read_metrics
 from forked import run_commands
+
+from fbt_megatron.common.cli import run_cli
+from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, SPLIT_PERPLEXITY
+from fbt_megatron.trainer import checkpointing
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")

@@ -14,15 +14,15 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
-
 import equivalence
+import pytest
 from equivalence import ENTRY, corpus_flags, worst_difference
-from fbt_megatron.config import PRESETS
-from fbt_megatron.passes import PassPhase, PassSchedule
-from fbt_megatron.metrics import read_metrics
 from forked import run_commands
 from helpers import launch
+
+from fbt_megatron.model.config import PRESETS
+from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.passes import PassPhase, PassSchedule
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
 LAYOUTS = {  # name: (processes, flags); the distributed optimizer is on by default

@@ -10,18 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from benchmarks.measure import Batch, SavedActivations, storage_ptrs
-from fbt_megatron import build, fbt, train
-from fbt_megatron.cli import run_cli
-from fbt_megatron.metrics import tensorboard_scalars
-from fbt_megatron.plan import format_plan, make_plan, memory
-from fbt_megatron.plan.__main__ import main as plan_main
-from fbt_megatron.plan.flops import flops_per_token, normuon_flops_per_step
-from fbt_megatron.plan.gpus import GPUS
-from fbt_megatron.plan.planner import batch_fit, vocab_size
-from fbt_megatron.recipe import Recipe, RecipeError, load_recipe
 from test_param_count import backbone_formula
+
+from fbt_megatron import train
+from fbt_megatron.common.cli import run_cli
+from fbt_megatron.common.gpus import GPUS
+from fbt_megatron.launch.plan import format_plan, make_plan, memory
+from fbt_megatron.launch.plan.planner import batch_fit, vocab_size
+from fbt_megatron.model import fbt
+from fbt_megatron.model.flops import flops_per_token, normuon_flops_per_step
+from fbt_megatron.plan import main as plan_main
+from fbt_megatron.recipe import Recipe, RecipeError, load_recipe
+from fbt_megatron.trainer import build, loop
+from fbt_megatron.trainer.metrics import tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -240,8 +242,8 @@ def test_mfu_in_the_log_follows_the_formula(small_corpus, tmp_path):
              "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--log-interval", "2",
              "--eval-iters", "0", "--threads", "1", "--pass-phases", "[{start: 0.5, passes: 3}]", "--tensorboard", "false"]
     try:
-        [record] = train.train(train.parse_args([*flags, "--peak-tflops", "0.001"]))
-        [plain] = train.train(train.parse_args(flags))
+        [record] = loop.train(train.parse_args([*flags, "--peak-tflops", "0.001"]))
+        [plain] = loop.train(train.parse_args(flags))
     finally:
         torch.set_num_threads(threads)
     window_seconds = 2 * 2 * 64 / record["tokens_per_s"]

@@ -7,9 +7,9 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.utils import get_default_causal_mask
 
-from fbt_megatron import platform
-from fbt_megatron.config import make_config
-from fbt_megatron.model import fbt_model_spec
+from fbt_megatron.common import platform
+from fbt_megatron.model.config import make_config
+from fbt_megatron.model.fbt_model import fbt_model_spec
 
 
 def test_cuda_call_sites_run_on_cpu():
@@ -49,7 +49,7 @@ def test_bad_model_config_is_one_clear_error():
 
 _RANK_PRINTS = """
 import sys
-from fbt_megatron import platform
+from fbt_megatron.common import platform
 platform.init_distributed(timeout_s=120)
 rank = sys.argv[1]
 for i in range(2000):

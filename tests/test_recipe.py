@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from fbt_megatron.passes import PassPhase, PassSchedule
-from fbt_megatron.flags import parse as parse_flags
 from fbt_megatron.recipe import RecipeError, load_recipe
+from fbt_megatron.recipe.flags import parse as parse_flags
+from fbt_megatron.trainer.passes import PassPhase, PassSchedule
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 

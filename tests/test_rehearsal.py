@@ -1,4 +1,4 @@
-"""The rehearsal (tools/rehearse.py, fbt_megatron/rehearsal/): fbt-1b's real width through every stage.
+"""The rehearsal (tools/rehearse.py, fbt_megatron/launch/rehearsal/): fbt-1b's real width through every stage.
 
 CI size: the paper's width (D 1536, SwiGLU 6656, GQA 16/8 heads of 96) with one layer, a 32-token
 sequence and the corpus's 2,048-piece vocabulary (the full 100,352 vocabulary makes each checkpoint
@@ -24,7 +24,7 @@ def test_widened_tokenizer_encodes_as_before(small_corpus, tmp_path):
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     from fbt_megatron.data.tokenizer import load_tokenizer
-    from fbt_megatron.rehearsal.vocabulary import widen
+    from fbt_megatron.launch.rehearsal.vocabulary import widen
 
     wide = widen(small_corpus.tokenizer_path, str(tmp_path / "wide.model"), 1000)
     before, after = load_tokenizer(small_corpus.tokenizer_path), load_tokenizer(wide)
@@ -88,7 +88,7 @@ def test_a_run_that_saves_holds_no_second_copy_of_its_state(tmp_path, small_corp
     trainer added 1.13 GiB to the run's footprint (PSS) with the manager forked at the first save;
     forked before the model (``megatron_fixes``), the footprint stayed below the trainer's peak RSS
     (1.87 against 1.98 GiB)."""
-    from fbt_megatron.rehearsal.measure import GiB, run_stage
+    from fbt_megatron.launch.rehearsal.measure import GiB, run_stage
 
     flags = ["--recipe", "recipes/fbt_1b_100b.yaml", "--num-layers", 2, "--seq-length", 32, "--micro-batch-size", 1,
              "--global-batch-size", 1, "--train-iters", 2, "--eval-iters", 0, "--tensorboard", "false",

@@ -1,4 +1,4 @@
-"""A run that looks after itself (fbt_megatron/resilience/): injected faults, loss spikes, hangs.
+"""A run that looks after itself (fbt_megatron/trainer/callbacks/): injected faults, loss spikes, hangs.
 
 * ``--inject-fault`` specs and the spike flags are checked up front, one line each; the flag repeats.
   A fault that could never fire is refused too: a rank outside the world, a step past the run, a
@@ -19,7 +19,7 @@
   ``torch.distributed`` call): only the stuck rank is named, as the flight recorder's own record
   agrees; ``freeze@3:0`` (rank 0 holds the interpreter: no stacks) is named by its missing file,
   and rank 1 writes ``exit_status.json``.
-* A Slurm job's attempts and retry budget (``resilience/attempts.py``) against stand-ins for
+* A Slurm job's attempts and retry budget (``launch/attempts.py``) against stand-ins for
   scontrol and sinfo; the real Slurm: tests/test_slurm.py.
 """
 
@@ -34,14 +34,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from fbt_megatron import platform, train
-from fbt_megatron.errors import RecipeError
-from fbt_megatron.metrics import read_metrics
-from fbt_megatron.resilience.faults import Fault, parse_faults
-from fbt_megatron.resilience.spikes import Spikes
-from fbt_megatron.resilience.watchdog import HANG_EXIT, diagnose
 from forked import run_commands, run_ranks
+
+from fbt_megatron import train
+from fbt_megatron.common import platform
+from fbt_megatron.common.errors import RecipeError
+from fbt_megatron.recipe.faults import Fault, parse_faults
+from fbt_megatron.trainer.callbacks.spikes import Spikes
+from fbt_megatron.trainer.callbacks.watchdog import HANG_EXIT, diagnose
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -95,7 +96,7 @@ def test_spike_policies_decide_from_the_running_median(capsys):
     decisions = {}
     for policy in ("off", "warn", "skip", "rewind"):
         training = SimpleNamespace(spike_policy=policy, spike_factor=10.0, spike_window=4, max_rewinds=1)
-        spikes, state = Spikes(training, None, verbose=True), SimpleNamespace(spike_window=[], spikes=0)
+        spikes, state = Spikes(training, None), SimpleNamespace(spike_window=[], spikes=0)
         decisions[policy] = [spikes.vetoes(state, step, norm) for step, norm in enumerate(norms, start=1)]
         assert state.spikes == (0 if policy == "off" else 2) and spikes.rewind_due == (policy == "rewind")
         assert state.spike_window == ([] if policy == "off" else [2.4, 30.0, 30.0, 30.0])
@@ -190,7 +191,7 @@ def test_a_hang_ends_with_every_ranks_stacks_and_resumes_exactly(drills):
     [line] = [line for line in hang["log"].splitlines() if line.startswith("hang: ")]
     node = platform.node_name()  # each rank's node, named
     named = re.fullmatch(rf"hang: no step progress for \d+ s after step 2 \(--hang-timeout-minutes {HANG_MINUTES:g}\): rank 1 on "
-                         rf"{node} stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; (\d+) collectives "
+                         rf"{node} stuck outside a collective \(fbt_megatron/trainer/callbacks/faults.py:\d+ in start_step; (\d+) collectives "
                          rf"issued on \S+, rank 0 (\d+)\); rank 0 on {node} waiting in a collective; stacks in {tmp}/hang/hang/rank\*.txt; exit 124: "
                          r"a restart \(--load\) resumes from the last checkpoint", line)
     assert named and int(named[2]) > int(named[1]), line  # gloo: rank 0 waits inside the one collective rank 1 never issued
@@ -247,7 +248,7 @@ def test_rank_0_stuck_is_named_from_the_device_groups_and_both_ranks_exit_124(tm
     run = _hang(tmp_path, small_corpus, "hang@3:0", each)
     assert each == [HANG_EXIT, HANG_EXIT], run["log"][-3000:]
     on = f" on {platform.node_name()}"
-    assert re.search(rf"\): rank 0{on} stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; \d+ "
+    assert re.search(rf"\): rank 0{on} stuck outside a collective \(fbt_megatron/trainer/callbacks/faults.py:\d+ in start_step; \d+ "
                      rf"collectives issued on DATA_PARALLEL_GROUP(_WITH_CP)?, rank 1 \d+\); rank 1{on} waiting in a collective; ",
                      run["line"]), run["line"]
     assert run["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002", "stuck_ranks": [0]}
@@ -272,7 +273,7 @@ def test_a_hang_as_nccl_leaves_it_names_the_rank_behind_not_the_rank_waiting_out
     assert "faults.py" in heads[1] and "outside a torch.distributed call" in heads[1], heads[1]
     [line] = [line for line in log.splitlines() if line.startswith("hang: ")]
     on = f" on {platform.node_name()}"
-    assert re.search(rf"\): rank 1{on} stuck outside a collective \(fbt_megatron/resilience/faults.py:\d+ in start_step; 0 "
+    assert re.search(rf"\): rank 1{on} stuck outside a collective \(fbt_megatron/trainer/callbacks/faults.py:\d+ in start_step; 0 "
                      rf"collectives issued on default_pg, rank 0 1\); rank 0{on} waiting in a collective; ", line), line
     assert json.loads((tmp_path / "exit_status.json").read_text())["stuck_ranks"] == [1]
     traces = {r: pickle.loads((folder / f"fr_trace_rank_{r}").read_bytes()) for r in (0, 1)}

@@ -1,14 +1,14 @@
-"""A run folder alone rebuilds its model (``fbt_megatron.runs``): the recipe and vocabulary size
+"""A run folder alone rebuilds its model (``fbt_megatron.inference.runs``): the recipe and vocabulary size
 recorded with every checkpoint, the model's outputs, and one line for what cannot be loaded."""
 
 import json
 
 import pytest
 import torch
-
-from fbt_megatron.recipe import RecipeError
-from fbt_megatron.runs import load_run, run_recipe
 from test_train import SMALL, train
+
+from fbt_megatron.inference.runs import load_run, run_recipe
+from fbt_megatron.recipe import RecipeError
 
 
 def test_a_run_folder_rebuilds_the_model_it_trained(tmp_path, small_corpus):
@@ -23,7 +23,7 @@ def test_a_run_folder_rebuilds_the_model_it_trained(tmp_path, small_corpus):
     assert loaded.model.config.num_layers == 2 and not loaded.model.training
     assert loaded.tokenizer_path.endswith(".model") and loaded.tokenizer.tokenize("import os")
     # the weights are the trained ones: the validation loss the run logged at its end is reproduced
-    from fbt_megatron.data.build import build_data
+    from fbt_megatron.trainer.data import build_data
 
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     sample = build_data(recipe, 0).valid

@@ -1,4 +1,4 @@
-"""Serving FBT exports with vLLM (``fbt_megatron.serving``), on CPU with a real engine.
+"""Serving FBT exports with vLLM (``fbt_megatron.inference.serving``), on CPU with a real engine.
 
 Every output is checked against the HF export's own code (``generate`` / ``decode_logits`` of
 ``modeling_fbt.py`` loaded with ``trust_remote_code``): greedy tokens equal token for token and
@@ -44,7 +44,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model: inspect the state buffer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from fbt_megatron.serving.synthetic import write_export  # noqa: E402
+from fbt_megatron.inference.serving.synthetic import write_export  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -87,7 +87,7 @@ def run(llm, requests, max_tokens=NEW, **extra):
 
 def state_of(llm) -> dict:
     """The worker's state buffer: slots in use, its shape and address, the step counters."""
-    from fbt_megatron.serving.state import summary
+    from fbt_megatron.inference.serving.state import summary
 
     return llm.apply_model(summary)[0]
 
@@ -258,8 +258,8 @@ def test_state_plan_entries_against_the_rows():
     step; the values a token reads are W_U of its slot's state."""
     import numpy as np
 
-    from fbt_megatron.serving.requests import RequestMode
-    from fbt_megatron.serving.state import FeedbackState, Rows
+    from fbt_megatron.inference.serving.requests import RequestMode
+    from fbt_megatron.inference.serving.state import FeedbackState, Rows
 
     hidden, soft = 8, RequestMode("soft", 0)
     state = FeedbackState(4, 16, hidden, torch.float32, "cpu")
@@ -317,8 +317,8 @@ def test_soft_on_a_baseline_is_refused_at_admission():
     """The admission check of a baseline export's engine (latent_feedback false)."""
     from vllm import SamplingParams
 
-    from fbt_megatron.serving import engine as engine_module
-    from fbt_megatron.serving.requests import FBTRequests
+    from fbt_megatron.inference.serving import engine as engine_module
+    from fbt_megatron.inference.serving.requests import FBTRequests
 
     saved = engine_module._CURRENT
     engine_module._CURRENT = engine_module.ExportDefaults(False, "standard", 0, False)
@@ -373,9 +373,10 @@ def sft_export(tmp_path_factory, small_corpus):
     """(export, the SFT set's tokenizer file): recipes/sft_tiny_cpu.yaml trained 4 steps from scratch
     on the small corpus's SFT set with heads of 32 (the tiny preset's 16 is not a size vLLM's CPU
     attention takes), exported with its chat template."""
-    from fbt_megatron.convert.to_hf import export
-    from fbt_megatron.data.sft.tiny_set import set_files
     from forked import run_commands
+
+    from fbt_megatron.data.sft.tiny_set import set_files
+    from fbt_megatron.inference.convert.to_hf import export
 
     base = tmp_path_factory.mktemp("sft")
     args = ["--recipe", ROOT / "recipes" / "sft_tiny_cpu.yaml", "--threads", "1", "--pretrained-checkpoint", "null",

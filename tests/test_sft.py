@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from fbt_megatron import fbt
-from fbt_megatron.data.sft import chat, packing
-from fbt_megatron.data.packed_rows import PackedRows
-from fbt_megatron.data.tokenizer import load_tokenizer
-from fbt_megatron.metrics import read_metrics
 from forked import run_commands
 from helpers import build
+
+from fbt_megatron.data.packed_rows import PackedRows
+from fbt_megatron.data.sft import chat, packing
+from fbt_megatron.data.tokenizer import load_tokenizer
+from fbt_megatron.model import fbt
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
 CONVERSATION = [
@@ -214,8 +214,8 @@ def test_sft_run_through_the_entry_point(small_corpus, tmp_path):
     # tokens, and generate --chat (the run) answers as the export's generate does (default mode: soft)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fbt_megatron.convert.to_hf import export
     from fbt_megatron.data.sft.tiny_set import set_files
+    from fbt_megatron.inference.convert.to_hf import export
 
     hf = export(str(run), str(tmp_path / "hf"), say=lambda _: None)
     assert json.loads((hf / "tokenizer_config.json").read_text())["chat_template"] == chat.DEFAULT_CHAT_TEMPLATE
@@ -235,7 +235,7 @@ def test_sft_run_through_the_entry_point(small_corpus, tmp_path):
     with torch.no_grad():
         reply = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     reply = reply[:-1] if reply[-1] == encoder.tokenizer.eod else reply
-    assert run_commands("fbt_megatron.generate.__main__", [(
+    assert run_commands("fbt_megatron.generate", [(
         ["--load", run, "--chat", "--system", "You answer questions.", "--prompt", question, "--max-new-tokens", 8,
          "--print-ids", "--threads", 1], tmp_path / "chat.out", None)]) == [0]
     printed = (tmp_path / "chat.out").read_text().splitlines()

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fbt_megatron import checkpointing
-from fbt_megatron.metrics import read_metrics
-from fbt_megatron.plan.planner import batch_fit
-from fbt_megatron.recipe import load_recipe
 from forked import run_commands
 from slurm_cluster import SlurmCluster, missing_binaries
 from test_train import SMALL
+
+from fbt_megatron.launch.plan.planner import batch_fit
+from fbt_megatron.recipe import load_recipe
+from fbt_megatron.trainer import checkpointing
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
@@ -196,12 +196,12 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
                      f"#SBATCH --output={tmp}/logs/tiny_cpu-%j.out", "#SBATCH --signal=B:USR1@180",
                      "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4", "#SBATCH --qos=high",
                      f"CONTAINER=(--container-image={IMAGE} --container-mounts={ROOT}:{ROOT},/data:/data", f"SAVE={save}",
-                     "POLICY=(--max-restarts 3)", f"ATTEMPTS=(python3 {ROOT}/fbt_megatron/resilience/attempts.py)", '"${ATTEMPTS[@]}" end',
+                     "POLICY=(--max-restarts 3)", f"ATTEMPTS=(python3 {ROOT}/fbt_megatron/launch/attempts.py)", '"${ATTEMPTS[@]}" end',
                      "--kill-on-bad-exit=1", "# (TP 1, CP 1: CUDA_DEVICE_MAX_CONNECTIONS not set)",
                      "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}", "export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}",
                      "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}$" "{PYTHONPATH:+:$PYTHONPATH}",
                      'srun --cpus-per-task="$CPUS_PER_TASK"', 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK"',
-                     f'srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" python {ROOT}/fbt_megatron/slurm/image_check.py '
+                     f'srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" python {ROOT}/fbt_megatron/launch/slurm/image_check.py '
                      f"--image {IMAGE} --gpu 2>&1 | grep -v", "[[ ${PIPESTATUS[0]} != 2 ]] || exit 2"]:
             assert line in script, line
         assert script.index("image_check.py") < script.index('"${ATTEMPTS[@]}" start')  # the first step, before any attempt
@@ -337,13 +337,13 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
 
 
 def test_the_retry_budget_counts_failures_and_stalled_stops_but_not_slurms_requeues(tmp_path, monkeypatch, capsys):
-    """``resilience/attempts.py`` on a run folder, outside Slurm (no scontrol is called on these
+    """``launch/attempts.py`` on a run folder, outside Slurm (no scontrol is called on these
     paths; requeues and exclusions are drilled on the real Slurm below): an attempt that never ended
     is found lost at the next start and does not spend the budget; an attempt stopped by the time
     limit before checkpointing a step spends it, so a job whose limit is too short for its first
     checkpoint gives up instead of requeueing itself forever; a new submission has a budget of its
     own; exit code 2 is never retried."""
-    from fbt_megatron.resilience import attempts
+    from fbt_megatron.launch import attempts
 
     run = tmp_path / "run"
     monkeypatch.setenv("SLURM_JOB_ID", "7")
@@ -631,7 +631,7 @@ def test_a_node_lost_mid_run_is_requeued_by_slurm_onto_the_nodes_left_and_resume
 
 @pytest.mark.slow
 def test_a_python_that_cannot_run_the_job_ends_it_at_its_first_step_and_it_is_not_retried(slurm, tmp_path):
-    """The environment check (``fbt_megatron/slurm/image_check.py``), a training job's first step, in
+    """The environment check (``fbt_megatron/launch/slurm/image_check.py``), a training job's first step, in
     the job's own Python (no pyxis here: with ``--container-image`` the same step runs in the image):
     context parallelism needs Transformer Engine, which this machine's Python lacks. The job ends at
     that step, exit code 2, with the check's one ``error:`` line and nothing else in its log (srun's

@@ -1,4 +1,4 @@
-"""Stages (``fbt_megatron/stages.py``) as users run them, in real processes: a run started from
+"""Stages (``fbt_megatron/trainer/stages.py``) as users run them, in real processes: a run started from
 another run's weights at another parallel layout (TP 2 × PP 2 → one process and the reverse),
 --finetune, --no-load-optim, refusing another shape, and the tiny long-context stage with a
 requeue-style resume.
@@ -12,11 +12,11 @@ agree to the equivalence matrix's tolerance)."""
 from pathlib import Path
 
 import pytest
-
-from fbt_megatron import checkpointing
-from fbt_megatron.metrics import read_metrics
 from forked import run_commands
 from helpers import launch
+
+from fbt_megatron.trainer import checkpointing
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TINY, LONGCTX = ROOT / "recipes" / "tiny_cpu.yaml", ROOT / "recipes" / "longctx_tiny_cpu.yaml"
@@ -45,7 +45,7 @@ def worst_difference(expected: list, got: list) -> float:
 
 def write_seed(source: Path, seed: Path) -> None:
     """A weights-only checkpoint (iteration 0) of ``source``'s latest weights, as one process loads them."""
-    from fbt_megatron.runs import load_run
+    from fbt_megatron.inference.runs import load_run
 
     run = load_run(str(source))
     saved = checkpointing.read_train_state(source)
@@ -181,7 +181,7 @@ def test_no_load_rng_keeps_this_runs_random_streams(stages):
     import torch
 
     from fbt_megatron.recipe import recipe_from_dict
-    from fbt_megatron.build import build_model, build_optimizer
+    from fbt_megatron.trainer.build import build_model, build_optimizer
 
     source = stages.path("source")
     saved = checkpointing.read_train_state(source, iteration=2)

@@ -1,4 +1,4 @@
-"""State tracking (``fbt_megatron.tasks``): labels checked against independent computations, the
+"""State tracking (``fbt_megatron.evaluation.tasks``): labels checked against independent computations, the
 prepared folder read back as Megatron data, the full recurrence against decoding position by
 position, and a short run through the entry points as users run them (real processes)."""
 
@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
-from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-from fbt_megatron.fbt import Feedback
-from fbt_megatron.tasks.evaluate import FULL, bucket_accuracy, bucket_labels, pass_logits
-from fbt_megatron.data.state_tracking import GROUPS, load_task, prepare_task, task_name
 from forked import run_commands
 from helpers import build
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from fbt_megatron.data.state_tracking import GROUPS, load_task, prepare_task, task_name
+from fbt_megatron.evaluation.tasks.evaluate import FULL, bucket_accuracy, bucket_labels, pass_logits
+from fbt_megatron.model.fbt import Feedback
 
 ROOT = Path(__file__).parent.parent
 
@@ -142,7 +142,7 @@ def test_state_tracking_trains_and_evaluates_through_the_entry_points(tmp_path):
 
     out = tmp_path / "eval.json"
     (code, text), *refused = run_many(
-        "fbt_megatron.tasks.evaluate",
+        "fbt_megatron.evaluation.tasks.evaluate",
         (tmp_path / "eval.log", [*flags, "--load", tmp_path / "run", "--sequences", "4", "--lengths", "1", "2", "--json", out]),
         (tmp_path / "other.log", ["--recipe", baseline, *data, "--load", tmp_path / "run"]),
         (tmp_path / "none.log", flags))

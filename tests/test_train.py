@@ -6,10 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from fbt_megatron.metrics import read_metrics
-from fbt_megatron.recipe import RecipeError
 from forked import run_commands
+
+from fbt_megatron.recipe import RecipeError
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -170,8 +170,8 @@ def test_extending_a_run_says_which_learning_rate_curve_applies(tmp_path, small_
 
 def test_a_validation_split_smaller_than_the_validation_asks_for_is_a_warning(small_corpus):
     from fbt_megatron import train as entry
-    from fbt_megatron.data.build import build_data
-    from fbt_megatron.metrics import validation_note
+    from fbt_megatron.trainer.data import build_data
+    from fbt_megatron.trainer.metrics import validation_note
 
     flags = ["--recipe", TINY, "--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null",
              "--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "2"]

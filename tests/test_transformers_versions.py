@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 LOWEST, NEWEST = "5.16.1", "5.24.0"
 TARGETS = "FBT_TRANSFORMERS_TARGETS"
 
@@ -55,8 +54,8 @@ def export_with_expected(tiny_run, tiny_export, tmp_path_factory):
     """(export folder, file of megatron's logits after 1–3 passes over 2 × 12 tokens)."""
     from safetensors.torch import save_file
 
-    from fbt_megatron.runs import load_run
-    from fbt_megatron.tasks.evaluate import pass_logits
+    from fbt_megatron.evaluation.tasks.evaluate import pass_logits
+    from fbt_megatron.inference.runs import load_run
 
     base = tmp_path_factory.mktemp("versions")
     export = tiny_export

@@ -19,10 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import wheelhouse  # tools/wheelhouse.py
 from packaging.requirements import Requirement
 from packaging.version import Version
-
-import wheelhouse  # tools/wheelhouse.py
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINER = ROOT / "packaging" / "container"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fbt_megatron.metrics import read_metrics
 from forked import run_commands
 from helpers import launch
+
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 # float32 noise of these runs: per-pass losses mostly within 1e-7, gradient norms within 4e-8, once 1.5e-6
@@ -31,7 +31,7 @@ def test_gradient_norm_is_the_float64_norm_at_full_size():
     """megatron-core's gradient-norm kernel (as this project installs it) on fbt-1b's largest tensors."""
     from megatron.core.optimizer import clip_grads
 
-    from fbt_megatron import platform
+    from fbt_megatron.common import platform
 
     platform.install()
     generator = torch.Generator().manual_seed(0)

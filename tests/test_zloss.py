@@ -1,4 +1,4 @@
-"""The z-loss c·(log Σ exp logits)² (``fbt_megatron.losses``) against torch.logsumexp on whole
+"""The z-loss c·(log Σ exp logits)² (``fbt_megatron.model.losses``) against torch.logsumexp on whole
 logits, in one process and at TP = 2; and in a real resumed training run: the z-loss off before
 the cooldown and on in it, the logged phase and share of each k following the pass schedule."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import build, launch, tokens
 
-from fbt_megatron.losses import z_loss_coefficient
-from fbt_megatron.metrics import read_metrics
+from fbt_megatron.model.losses import z_loss_coefficient
 from fbt_megatron.recipe import load_recipe
+from fbt_megatron.trainer.metrics import read_metrics
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
 
@@ -66,8 +66,8 @@ def test_resumed_run_logs_z_loss_from_the_cooldown_and_the_pass_phases(tiny_run,
     """Steps 5–8 resumed from the shared tiny run (4 steps) into the cooldown (from
     ``optimizers.schedule.cooldown_start``) and into a second pass phase (k = 2, from step 7)."""
     from fbt_megatron.optimizers.schedule import cooldown_start, lr_schedule
-    from fbt_megatron.passes import pass_schedule
     from fbt_megatron.train import parse_args
+    from fbt_megatron.trainer.passes import pass_schedule
 
     flags = ["--recipe", "recipes/tiny_cpu.yaml", "--train-iters", 8, "--lr-wsd-decay-fraction", 0.5, "--z-loss-coeff", 1e-2,
              "--pass-phases", PHASES, "--log-interval", 1, "--eval-iters", 0, "--threads", 1, "--tensorboard", "false",

@@ -21,7 +21,9 @@ from pathlib import Path
 
 from benchmarks import BENCHMARKS
 from benchmarks.measure import SHAPE_FLAGS
-from fbt_megatron.cli import quiet_library_warnings, run_cli
+
+from fbt_megatron.common.cli import quiet_library_warnings, run_cli
+from fbt_megatron.common.logs import setup_logging
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,6 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    setup_logging()
     quiet_library_warnings()
     args = parse_args(argv)
     results = args.benchmark.measure(args)

@@ -12,9 +12,9 @@ import torch
 
 
 def count(preset: str) -> dict:
-    from fbt_megatron import platform
-    from fbt_megatron.config import make_config
-    from fbt_megatron.model import FBTModel
+    from fbt_megatron.common import platform
+    from fbt_megatron.model.config import make_config
+    from fbt_megatron.model.fbt_model import FBTModel
 
     platform.init_distributed()
     config = make_config(preset, use_cpu_initialization=True, perform_initialization=False)

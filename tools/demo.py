@@ -37,9 +37,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from fbt_megatron.cli import plural, quiet_library_warnings, run_cli
-from fbt_megatron.studies.results import HELD
-from fbt_megatron.tasks.evaluate import FULL, bucket_labels
+from fbt_megatron.common.cli import plural, quiet_library_warnings, run_cli
+from fbt_megatron.common.logs import setup_logging
+from fbt_megatron.evaluation.studies.results import HELD
+from fbt_megatron.evaluation.tasks.evaluate import FULL, bucket_labels
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDIES = ROOT / "recipes" / "studies"
@@ -186,8 +187,8 @@ SAMPLE_MODES = [("standard", 0), ("soft", 0), ("fused", 1)]
 
 def samples(folder: Path, new_tokens: int = 48) -> str:
     """The run's greedy continuation of PROMPT in each decoding mode, as a markdown block."""
-    from fbt_megatron.generate import generate
-    from fbt_megatron.runs import load_run
+    from fbt_megatron.inference.generate import generate
+    from fbt_megatron.inference.runs import load_run
 
     run = load_run(str(folder))
     prompt = run.tokenizer.tokenize(PROMPT)
@@ -359,9 +360,10 @@ def plot(lm_rows: List[dict], frontier: Optional[float], tasks: Dict[str, Dict[s
 
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
-    from fbt_megatron.studies import results as study_results
-    from fbt_megatron.studies import study as studies
-    from fbt_megatron.studies.grid import load_study
+    setup_logging()
+    from fbt_megatron.evaluation.studies import results as study_results
+    from fbt_megatron.evaluation.studies import study as studies
+    from fbt_megatron.evaluation.studies.grid import load_study
 
     cores = os.cpu_count() or 1
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

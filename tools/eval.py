@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fbt_megatron.cli import quiet_library_warnings, run_cli  # noqa: E402
+from fbt_megatron.common.cli import quiet_library_warnings, run_cli  # noqa: E402
+from fbt_megatron.common.logs import setup_logging  # noqa: E402
 from fbt_megatron.evaluation.local_tasks import DEFAULT_TASKS_FOLDER  # noqa: E402
 
 DEFAULT_MODES = ("standard", "soft", "fused(1)", "fused(2)", "fused(3)")
@@ -73,7 +74,7 @@ def sha256(path: Path) -> str:
 def training_corpus(run: Path) -> Optional[Path]:
     """The prepared corpus folder a run was trained on (its recipe's data path, as given then: from
     the working directory or the repository), None when it is not one (a task's data, a blend)."""
-    from fbt_megatron.checkpointing import read_train_state
+    from fbt_megatron.trainer.checkpointing import read_train_state
 
     data_path = read_train_state(str(run)).get("recipe", {}).get("data", {}).get("data_path")
     if not isinstance(data_path, str):
@@ -119,7 +120,7 @@ def split_tasks(corpus: Path, folder: Path, documents: int):
 
 
 def is_run_folder(path: Path) -> bool:
-    from fbt_megatron.checkpointing import latest_iteration
+    from fbt_megatron.trainer.checkpointing import latest_iteration
 
     return path.is_dir() and latest_iteration(str(path)) is not None
 
@@ -147,7 +148,7 @@ def resolve(models: List[str]) -> List[tuple]:
 def export_run(run: Path, cache: Path, label: str, log: Path) -> tuple:
     """(export folder, iteration): the run's latest checkpoint exported into ``cache`` with the
     project's converter (reused when it was exported after the checkpoint was written)."""
-    from fbt_megatron.checkpointing import checkpoint_dir, latest_iteration
+    from fbt_megatron.trainer.checkpointing import checkpoint_dir, latest_iteration
 
     iteration = latest_iteration(str(run))
     checkpoint = checkpoint_dir(str(run), iteration)
@@ -186,7 +187,7 @@ def fmt(column: str, value: Optional[float]) -> str:
 
 def markdown(rows: List[dict], info: dict) -> str:
     head = ["model", "mode", *(HEADERS[c] for c in COLUMNS)]
-    from fbt_megatron.cli import plural
+    from fbt_megatron.common.cli import plural
 
     splits = "".join(f"; `fbt_split_perplexity` of {label}: {plural(n, 'piece')} of {corpus}/docs.valid.jsonl"
                      for label, (corpus, n) in info["splits"].items())
@@ -203,6 +204,7 @@ def markdown(rows: List[dict], info: dict) -> str:
 
 
 def main(argv=None) -> int:
+    setup_logging()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+", metavar="MODEL", help="run folders or Hugging Face export folders")
@@ -227,11 +229,11 @@ def main(argv=None) -> int:
                         help="torch threads (default on CPU: 1, fastest for the tiny models' many small decoding steps)")
     args = parser.parse_args(argv)
 
-    from fbt_megatron.decode_modes import mode_label, parse_mode
+    from fbt_megatron.model.decode_modes import mode_label, parse_mode
 
     modes = [mode_label(*parse_mode(m)) for m in args.modes]  # an unknown mode stops here
     if args.backend == "vllm":
-        from fbt_megatron.serving import require_vllm
+        from fbt_megatron.inference.serving import require_vllm
 
         require_vllm("--backend vllm")  # before any export is written
     modes = list(dict.fromkeys(modes))

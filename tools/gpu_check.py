@@ -37,7 +37,7 @@ import os
 # cuBLAS use full FP32 (BF16/FP8 GEMMs are unaffected). Read when CUDA starts: set before importing torch.
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 # One hardware queue per GPU, as the job script sets it for TP > 1 or CP > 1 (the paper's recipes, the
-# long-context one): the speed and offloading rows are timed as those jobs run (fbt_megatron/slurm/script.py).
+# long-context one): the speed and offloading rows are timed as those jobs run (fbt_megatron/launch/slurm/script.py).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 import argparse
@@ -166,8 +166,8 @@ def container_imports(te_version, error):
 # ---------------------------------------------------------------- shared helpers
 def build(te: bool, preset="tiny", **fields):
     """FBTModel on the GPU (else the CPU) as fbt_megatron.train builds it (config dtype, model .to(dtype)), in train mode."""
-    from fbt_megatron.config import make_config
-    from fbt_megatron.model import FBTModel, fbt_model_spec
+    from fbt_megatron.model.config import make_config
+    from fbt_megatron.model.fbt_model import FBTModel, fbt_model_spec
 
     config = make_config(preset, **fields)
     model = FBTModel(config, spec=fbt_model_spec(config, use_transformer_engine=te))
@@ -185,7 +185,7 @@ def make_batch(vocab, seq, batch, seed=0):
 
 def train_step(model, batch, k):
     """Forward + backward of the k-pass step (fbt.multi_pass_loss), gradients left in .grad."""
-    from fbt_megatron.fbt import multi_pass_loss
+    from fbt_megatron.model.fbt import multi_pass_loss
 
     model.zero_grad(set_to_none=True)
     model.set_is_first_microbatch()  # FP8: re-quantize weights once per step, as megatron's schedules do
@@ -205,7 +205,7 @@ def copy_weights(weights: dict, model) -> int:
     metadata) and the MLP's input norm, a parameter of TE's fused norm + linear (``model.FUSED_NORM_KEYS``,
     the names checkpoints give it). Returns the number of parameter tensors, every one checked to be
     equal to its source."""
-    from fbt_megatron.model import FUSED_NORM_KEYS
+    from fbt_megatron.model.fbt_model import FUSED_NORM_KEYS
 
     if any(n.endswith("mlp.linear_fc1.layer_norm_weight") for n, _ in model.named_parameters()):
         for te_name, local_name in FUSED_NORM_KEYS.items():
@@ -324,7 +324,7 @@ def equivalence():
 def fp8_recompute(model, batch):
     """FP8 k = 3 gradients with ``recompute_passes`` on against off, from the same FP8 scales (TE's
     extra state restored in between): a recompute outside TE's checkpoint quantizes the recomputed
-    forward with other scales and updates the amax history twice (fbt_megatron.offload.checkpoint)."""
+    forward with other scales and updates the amax history twice (fbt_megatron.model.offload.checkpoint)."""
     import copy
 
     scales = copy.deepcopy({k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")})
@@ -358,7 +358,7 @@ def attention_kernels(seq):
     unfused path the FP32 check runs) against the local spec in BF16 on the same weights, k = 2, at
     fbt-1b's head geometry and window (``GEOMETRY``). The control, TE without the window against the
     same local run, must differ by more than 10x the tolerance: the comparison can see a wrong window."""
-    from fbt_megatron import platform
+    from fbt_megatron.common import platform
 
     fields = dict(GEOMETRY, seq_length=seq)
     print(f"\n== attention kernels: TE BF16 vs local BF16, {fields['num_attention_heads']}/{fields['num_query_groups']} heads "
@@ -390,8 +390,8 @@ def attention_kernels(seq):
 
 # ---------------------------------------------------------------- 3. fbt-1b performance
 def peak_flops():
-    """Dense BF16 peak FLOP/s of this GPU (the planner's table, fbt_megatron/plan/gpus.py); FBT_PEAK_FLOPS overrides."""
-    from fbt_megatron.plan.gpus import from_device_name
+    """Dense BF16 peak FLOP/s of this GPU (the planner's table, fbt_megatron/common/gpus.py); FBT_PEAK_FLOPS overrides."""
+    from fbt_megatron.common.gpus import from_device_name
 
     if os.environ.get("FBT_PEAK_FLOPS"):
         return float(os.environ["FBT_PEAK_FLOPS"]), "FBT_PEAK_FLOPS"
@@ -401,9 +401,9 @@ def peak_flops():
 
 
 def planned_memory(model, micro_batch, seq, k) -> float:
-    """The planner's peak-memory estimate (fbt_megatron/plan/memory.py) for this bare-model step, GiB:
+    """The planner's peak-memory estimate (fbt_megatron/launch/plan/memory.py) for this bare-model step, GiB:
     BF16 weights and their BF16 .grad (no DDP buffer, no optimizer here) plus the activations."""
-    from fbt_megatron.plan import memory
+    from fbt_megatron.launch.plan import memory
 
     params = sum(p.numel() for p in model.parameters())
     layout = memory.Layout(micro_batch_size=micro_batch, seq_length=seq, half=True, transformer_engine=TE)
@@ -418,10 +418,10 @@ def performance(seq, micro_batch, steps):
     model = build(TE, "fbt-1b", seq_length=seq, **BF16)
     batch = make_batch(model.config.vocab_size, seq, micro_batch)
     tokens = micro_batch * seq
-    from fbt_megatron.plan.flops import flops_per_token
+    from fbt_megatron.model.flops import flops_per_token
 
     c = model.config
-    print("MFU = model FLOPs / step time / peak; model FLOPs per token of a k-pass step (fbt_megatron/plan/flops.py): "
+    print("MFU = model FLOPs / step time / peak; model FLOPs per token of a k-pass step (fbt_megatron/model/flops.py): "
           "3*[k*(2*N + 2*V*D + 4*h*d_h*sum_l c_l) + (k-1)*4*D^2], forward+backward, no optimizer step")
     for label, k, recompute in [("k=1", 1, False), ("k=2", 2, False), ("k=3", 3, False), ("k=3 recompute_passes", 3, True)]:
         c.recompute_passes = recompute
@@ -500,7 +500,7 @@ def offloading(seq, steps):
     """fbt-1b, BF16 TE, k = 3 at sequence ``seq``: each recompute setup with its inputs kept on the GPU,
     offloaded by ``offload_recompute_inputs`` and (if installed) by DeepSpeed's cpu_checkpointing; peak
     memory, step time, and the first step's gradients against the kept run's (recompute order only)."""
-    from fbt_megatron import platform
+    from fbt_megatron.common import platform
 
     print(f"\n== fbt-1b, BF16, Transformer Engine, k=3, micro batch 1 x seq {seq}: recompute inputs kept vs offloaded")
     # name: (model fields, context, gated: its rows are PASS/FAIL checks; the DeepSpeed comparison informs)
@@ -602,7 +602,7 @@ def multi_gpu(parent: Path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, "-m", "fbt_megatron.train"]
     launch([*entry, *recipe, "--save", seed, "--create-seed-checkpoint", "true"], workdir / "seed.log", 900)  # prepares the corpus on first use
 
-    from fbt_megatron.metrics import read_metrics
+    from fbt_megatron.trainer.metrics import read_metrics
 
     references = {}
     for name, (flags, reference_flags, tolerance) in MULTI_GPU.items():
@@ -658,7 +658,7 @@ def slurm_job(parent: Path, nodes: int, submit_args: list):
     import json
     import re
 
-    from fbt_megatron.metrics import read_metrics
+    from fbt_megatron.trainer.metrics import read_metrics
 
     workdir = Path(tempfile.mkdtemp(prefix="gpu_check-slurm-", dir=parent))
     steps, runs, logs = 60, workdir / "runs", workdir / "logs"
@@ -708,7 +708,7 @@ def summary() -> int:
     print("\n" + line(header) + "\n" + "  ".join("-" * w for w in width))
     for r in rows:
         print(line(r))
-    from fbt_megatron.rehearsal.report import verdict
+    from fbt_megatron.launch.rehearsal.report import verdict
 
     failed = [r for r in rows if r[3] == "FAIL"]
     print("\n" + verdict(len(failed), [r[0] for r in rows if r[3] == "SKIP"]))
@@ -747,7 +747,7 @@ def main(argv=None) -> int:
         return code
     for category in (UserWarning, FutureWarning, DeprecationWarning):  # megatron/TE/torch API notices
         warnings.filterwarnings("ignore", category=category)
-    from fbt_megatron import platform
+    from fbt_megatron.common import platform
 
     platform.init_distributed()  # a one-process NCCL (on CPU: gloo) group + megatron parallel state (TP=1) + seeds
     guarded("TE vs local equivalence (FP32/BF16/FP8)", equivalence)

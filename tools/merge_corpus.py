@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-from fbt_megatron.cli import plural, run_cli
+from fbt_megatron.common.cli import plural, run_cli
+from fbt_megatron.common.logs import setup_logging
 
 
 def main(argv=None) -> int:
+    setup_logging()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     what = parser.add_mutually_exclusive_group(required=True)

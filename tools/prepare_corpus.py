@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from fbt_megatron.cli import plural, run_cli
+from fbt_megatron.common.cli import plural, run_cli
+from fbt_megatron.common.logs import setup_logging
 from fbt_megatron.data.documents import SPLITS
 from fbt_megatron.data.tokenizer_training import SAMPLE_BYTES, parse_size
 
 
 def main(argv=None) -> int:
+    setup_logging()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="stdlib",
                         help="'stdlib' (this Python's standard library), or a file, folder or glob pattern of "

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from fbt_megatron.cli import plural, run_cli
+from fbt_megatron.common.cli import plural, run_cli
+from fbt_megatron.common.logs import setup_logging
 from fbt_megatron.data.documents import INPUTS_HELP, SPLITS
 
 
 def main(argv=None) -> int:
+    setup_logging()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help=INPUTS_HELP)
     parser.add_argument("--json-key", default="text",

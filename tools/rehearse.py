@@ -10,7 +10,7 @@ Training k = 1 then k = 3 with pass recompute and the recipe's optimizer, a torc
 offline by transformers with greedy tokens equal to megatron's generate in standard, soft and
 fused(2), from-hf back bit-exact, vLLM when .venv-serve exists; peak memory against the planner.
 Flags after ``--`` go to every training stage (a job's layout on a GPU node). Prints one table and
-writes DIR/rehearsal.json; exit code 0 when every check passed, 1 when one failed (fbt_megatron/rehearsal/).
+writes DIR/rehearsal.json; exit code 0 when every check passed, 1 when one failed (fbt_megatron/launch/rehearsal/).
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fbt_megatron.cli import quiet_library_warnings, run_cli  # noqa: E402
+from fbt_megatron.common.cli import quiet_library_warnings, run_cli  # noqa: E402
+from fbt_megatron.common.logs import setup_logging  # noqa: E402
 
 
 def main(argv=None) -> int:
+    setup_logging()
     quiet_library_warnings()
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -49,11 +51,11 @@ def main(argv=None) -> int:
     parser.add_argument("--echo", action="store_true", help="show the stages' output as it comes")
     args = parser.parse_args(own)
 
-    from fbt_megatron.folders import check_new_folder
-    from fbt_megatron.rehearsal.stages import Options, rehearse
+    from fbt_megatron.common.folders import check_new_folder
+    from fbt_megatron.launch.rehearsal.stages import Options, rehearse
 
     check_new_folder(args.output, "--output")
-    from fbt_megatron import flags
+    from fbt_megatron.recipe import flags
 
     flags.parse(["--recipe", args.recipe, *train_flags], prog="python tools/rehearse.py", description="")  # bad: one line
     options = Options(recipe=args.recipe, output=args.output, num_layers=args.num_layers, seq_length=args.seq_length,

@@ -17,8 +17,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fbt_megatron.cli import run_cli
-from fbt_megatron.metrics import read_metrics
+from fbt_megatron.common.cli import run_cli
+from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("prompt", "random")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from fbt_megatron.cli import run_cli
+from fbt_megatron.common.cli import run_cli
+from fbt_megatron.common.logs import setup_logging
 from fbt_megatron.data.documents import INPUTS_HELP, SPLITS
 
 
 def main(argv=None) -> int:
+    setup_logging()
     from fbt_megatron.data.tokenizer_training import SAMPLE_BYTES, parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

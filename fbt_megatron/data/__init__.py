@@ -9,5 +9,4 @@ corpus      one folder with train/valid splits, tokenizer and manifest, prepared
 datasets    GPT train/valid/test datasets through megatron-core's BlendedMegatronDatasetBuilder
 state_tracking   the synthetic state-tracking tasks (parity, sum mod 5, S3) as prepared folders
 packed_rows  conversations packed into the rows of a microbatch (SFT): attention and fusion boundaries
-build       a training run's tokenizer and datasets, from whichever source its recipe names
 """

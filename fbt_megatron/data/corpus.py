@@ -28,6 +28,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -35,13 +36,15 @@ import sysconfig
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from fbt_megatron.common.cli import plural
+from fbt_megatron.common.io import FolderExists, atomic_folder
 from fbt_megatron.data.documents import SPLITS as DOCUMENT_SPLITS
 from fbt_megatron.data.documents import BadRecords, Document, Source, iter_documents, progress, sources, walk
 from fbt_megatron.data.preprocess import tokenize_into
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.data.tokenizer_training import SAMPLE_BYTES, Sample, train_sentencepiece
-from fbt_megatron.cli import plural
-from fbt_megatron.io import FolderExists, atomic_folder
+
+log = logging.getLogger(__name__)
 
 STDLIB = "stdlib"
 STDLIB_SKIP = ("test", "tests", "idle_test", "site-packages", "dist-packages")
@@ -267,9 +270,9 @@ def _build(folder: str, settings: dict, tokenizer: str | None, workers: int, sho
     bad = BadRecords(settings["skip_bad_records"])
     scan, sample = _scan(settings, bad, show_progress)
     if bad.skipped:
-        print(bad.summary(), flush=True)
+        log.info(bad.summary())
     for line in split_warnings(scan):
-        print(line, flush=True)
+        log.info(line)
     if tokenizer is None:
         tokenizer_file = "tokenizer.model"
         train_sentencepiece(sample.texts(), os.path.join(folder, tokenizer_file), settings["vocab_size"],
@@ -344,7 +347,7 @@ def prepare_corpus(
     corpus = _existing(output, settings, flag, hint)
     if corpus is not None:
         if show_progress:
-            print(f"{output}: corpus already prepared, nothing to do")
+            log.info(f"{output}: corpus already prepared, nothing to do")
         return corpus
     try:
         with atomic_folder(output) as tmp:

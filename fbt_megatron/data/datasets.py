@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Optional
 from unittest import mock
 
@@ -19,6 +20,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
+from fbt_megatron.common.errors import RecipeError
 from fbt_megatron.data.tokenizer import Tokenizer
 
 Blend = tuple[list[str], list[float] | None]  # megatron's (prefixes, weights or None)
@@ -91,3 +93,18 @@ def token_id_problem(prefix: str, vocab_size: int, tokenizer: str, key: str) -> 
     return (f"{key}: {prefix} holds token id {top:,} but the tokenizer {tokenizer} has {vocab_size:,} ids: the blend was "
             f"tokenized with another vocabulary; give the tokenizer it was made with (--tokenizer-model) or tokenize it "
             f"again with this one (tools/preprocess_data.py --tokenizer {tokenizer})")
+
+
+def blend(spec: list, key: str) -> Blend:
+    """Megatron's blend list ([w, prefix, w, prefix, ...] or [prefix, ...]) → (prefixes, weights)."""
+    if all(isinstance(x, str) for x in spec):
+        prefixes, weights = list(spec), None
+    elif len(spec) % 2 == 0 and all(isinstance(w, (int, float)) for w in spec[0::2]):
+        prefixes, weights = [str(p) for p in spec[1::2]], [float(w) for w in spec[0::2]]
+    else:
+        raise RecipeError(f"{key} must be [prefix, ...] or [weight, prefix, weight, prefix, ...]")
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            if not Path(prefix + ext).is_file():
+                raise RecipeError(f"{key}: data file not found: {prefix + ext}")
+    return prefixes, weights

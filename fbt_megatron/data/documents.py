@@ -36,6 +36,7 @@ import importlib
 import io
 import itertools
 import json
+import logging
 import os
 import sys
 import time
@@ -45,8 +46,10 @@ from typing import Iterable, Iterator
 
 from tqdm import tqdm
 
-from fbt_megatron.cli import plural
+from fbt_megatron.common import logs
+from fbt_megatron.common.cli import plural
 
+log = logging.getLogger(__name__)
 
 SPLITS = ("file", "blank-line", "line")  # how a text file is split into documents
 BAD_KINDS = ("invalid UTF-8", "malformed JSON", "missing key", "not a string")
@@ -115,7 +118,7 @@ class BadRecords:
                              f"(--skip-bad-records {self.limit}; {self.summary()})")
         if self.skipped <= SHOWN_BAD:
             more = " (further ones are only counted)" if self.skipped == SHOWN_BAD else ""
-            print(f"warning: skipped {where}: {message}{more}", file=sys.stderr, flush=True)
+            log.warning(f"warning: skipped {where}: {message}{more}")
 
     def check_share(self) -> None:
         """At the end of a read: an error when more than the allowed share of records was bad."""
@@ -474,9 +477,9 @@ def progress(items: Iterable, desc: str, show: bool, total: int | None = None, t
             last = now
             share = count / total if total else done() if done else 0.0
             eta = f", ETA {_clock((now - start) * (1 - share) / share)}" if share > 0 else ""
-            print(_status(desc, count, total_tokens, now - start) + eta, file=sys.stderr, flush=True)
-    print(_status(desc, count, total_tokens, time.monotonic() - start) + f", done in {_clock(time.monotonic() - start)}",
-          file=sys.stderr, flush=True)
+            log.info(_status(desc, count, total_tokens, now - start) + eta, extra=logs.STDERR)
+    log.info(_status(desc, count, total_tokens, time.monotonic() - start) + f", done in {_clock(time.monotonic() - start)}",
+             extra=logs.STDERR)
 
 
 def _status(desc: str, count: int, tokens: int, elapsed: float) -> str:
@@ -500,6 +503,6 @@ def stage(desc: str, show: bool) -> Iterator[None]:
             bar.close()
         return
     start = time.monotonic()
-    print(f"{desc} ...", file=sys.stderr, flush=True)
+    log.info(f"{desc} ...", extra=logs.STDERR)
     yield
-    print(f"{desc}: done in {_clock(time.monotonic() - start)}", file=sys.stderr, flush=True)
+    log.info(f"{desc}: done in {_clock(time.monotonic() - start)}", extra=logs.STDERR)

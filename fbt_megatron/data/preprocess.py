@@ -21,12 +21,12 @@ from typing import Iterable, Iterator
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
-from fbt_megatron import processes
+from fbt_megatron.common import processes
+from fbt_megatron.common.errors import StorageError
+from fbt_megatron.common.folders import STORAGE_ERRNOS, unwritable
+from fbt_megatron.common.io import publish_indexed
 from fbt_megatron.data.documents import BadRecords, Reading, iter_documents, progress
 from fbt_megatron.data.tokenizer import Tokenizer, load_tokenizer
-from fbt_megatron.errors import StorageError
-from fbt_megatron.folders import STORAGE_ERRNOS, unwritable
-from fbt_megatron.io import publish_indexed
 
 CHUNK_BYTES = 1 << 18  # text per task sent to a worker: small, so that the workers end together
 CHUNK_DOCUMENTS = 256

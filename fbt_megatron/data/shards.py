@@ -16,15 +16,18 @@ from all the inputs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 
+from fbt_megatron.common.io import atomic_write
 from fbt_megatron.data.documents import Source, sources
 from fbt_megatron.data.preprocess import indexed_outputs, preprocess
 from fbt_megatron.data.tokenizer import load_tokenizer
-from fbt_megatron.io import atomic_write
+
+log = logging.getLogger(__name__)
 
 RECORD_FORMAT = "fbt-megatron shard"
 
@@ -76,7 +79,7 @@ def preprocess_shard(inputs: list[str], tokenizer_path: str, output_prefix: str,
     if why is None:
         return prefix, counts(prefix), False
     if any(os.path.exists(p) for p in (get_bin_path(prefix), get_idx_path(prefix), record_path(prefix))):
-        print(f"shard {index}: redone, {why}", flush=True)
+        log.info(f"shard {index}: redone, {why}")
         if os.path.exists(record_path(prefix)):
             os.remove(record_path(prefix))  # not complete from here on, whatever stops the redo
     written = preprocess(units, tokenizer_path, prefix, json_key=json_key, split=split, **kwargs)

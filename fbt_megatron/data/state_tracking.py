@@ -36,8 +36,8 @@ import numpy
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
+from fbt_megatron.common.io import FolderExists, atomic_folder
 from fbt_megatron.data.tokenizer import padded_vocab_size
-from fbt_megatron.io import FolderExists, atomic_folder
 
 SOURCE_PREFIX = "state_tracking:"  # data.corpus value naming a task: "state_tracking:parity"
 MANIFEST = "task.json"

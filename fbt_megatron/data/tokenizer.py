@@ -22,7 +22,7 @@ import tiktoken
 import tokenizers
 from tiktoken.load import load_tiktoken_bpe
 
-from fbt_megatron.compat import LegacyTokenizer
+from fbt_megatron.common.compat import LegacyTokenizer
 
 CL100K_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""

@@ -17,12 +17,15 @@ from __future__ import annotations
 import hashlib
 import heapq
 import io
+import logging
 import re
 
 import sentencepiece
 
+from fbt_megatron.common.io import atomic_write
 from fbt_megatron.data.documents import BadRecords, iter_documents, progress, stage
-from fbt_megatron.io import atomic_write
+
+log = logging.getLogger(__name__)
 
 SAMPLE_BYTES = 100_000_000  # the most text a tokenizer trains on (default)
 
@@ -129,5 +132,5 @@ def train_tokenizer(
     for index, doc in enumerate(docs):
         sample.add(index, doc.name, doc.text)
     if bad.skipped and show_progress:
-        print(bad.summary(), flush=True)
+        log.info(bad.summary())
     return train_sentencepiece(sample.texts(), output, vocab_size, threads, show_progress)

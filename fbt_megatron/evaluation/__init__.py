@@ -1,4 +1,6 @@
-"""lm-eval on Hugging Face exports of FBT models, offline, in FBT's decode modes.
+"""Evaluation: lm-eval on Hugging Face exports of FBT models, offline, in FBT's decode modes; the
+synthetic state-tracking tasks (``tasks``); the paper's diagnostics (``diagnostics``); studies, grids
+of runs with their tables and plots (``studies``).
 
 * ``local_tasks``: two lm-eval tasks built from held-out standard-library text on this machine
   (perplexity, ``loglikelihood_rolling``; next line out of four, ``multiple_choice``);

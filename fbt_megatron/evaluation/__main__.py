@@ -17,7 +17,8 @@ import argparse
 import sys
 from typing import List, Optional
 
-from fbt_megatron.cli import plural, run_cli
+from fbt_megatron.common.cli import plural, run_cli
+from fbt_megatron.common.logs import setup_logging
 from fbt_megatron.evaluation.local_tasks import DEFAULT_TASKS_FOLDER, TASKS, build_tasks, ensure_tasks
 
 
@@ -75,7 +76,7 @@ def lm_eval_main(args: List[str]) -> int:
     one_truncation_warning()
     args, backend = _backend(args)
     if backend == "vllm":
-        from fbt_megatron.serving import require_vllm
+        from fbt_megatron.inference.serving import require_vllm
 
         require_vllm("--backend vllm")
         import fbt_megatron.evaluation.vllm_lm  # noqa: F401  (registers --model fbt-vllm)
@@ -97,6 +98,7 @@ def lm_eval_main(args: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "lm-eval":
         return lm_eval_main(argv[1:])

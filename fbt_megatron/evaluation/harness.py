@@ -12,7 +12,7 @@ from unittest import mock
 
 from fbt_megatron.evaluation.env import offline_environment
 from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, SPLIT_PERPLEXITY, LocalTasks
-from fbt_megatron.serving import require_vllm
+from fbt_megatron.inference.serving import require_vllm
 
 # (task, lm-eval metric key, column name) of the table
 METRICS = (
@@ -115,7 +115,7 @@ class ExportEvaluator:
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
-        from fbt_megatron.decode_modes import parse_mode
+        from fbt_megatron.model.decode_modes import parse_mode
 
         decode_mode, passes = parse_mode(mode)
         if decode_mode != "standard" and not self.latent_feedback:

@@ -27,7 +27,7 @@ from collections import defaultdict
 from typing import List, Optional
 
 from fbt_megatron.evaluation.env import offline_environment
-from fbt_megatron.decode_modes import config_mode, mode_label, named_mode
+from fbt_megatron.model.decode_modes import config_mode, mode_label, named_mode
 
 offline_environment()
 

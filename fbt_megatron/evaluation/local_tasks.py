@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from fbt_megatron.io import atomic_write
+from fbt_megatron.common.io import atomic_write
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 DEFAULT_CORPUS = ROOT / "data" / "stdlib-sp2048"

@@ -1,4 +1,4 @@
-"""lm-eval's ``fbt-vllm`` model: an FBT export served by vLLM (``fbt_megatron.serving``), scored in a
+"""lm-eval's ``fbt-vllm`` model: an FBT export served by vLLM (``fbt_megatron.inference.serving``), scored in a
 decode mode.
 
     --model fbt-vllm --model_args pretrained=DIR,decode_mode=soft
@@ -21,7 +21,7 @@ import os
 from typing import Optional
 
 from fbt_megatron.evaluation.env import offline_environment
-from fbt_megatron.decode_modes import config_mode, mode_label, named_mode
+from fbt_megatron.model.decode_modes import config_mode, mode_label, named_mode
 
 offline_environment()
 
@@ -38,7 +38,7 @@ class FBTVLLM(VLLM):
 
     def __init__(self, pretrained, decode_mode: Optional[str] = None, fused_prefill_passes: Optional[int] = None,
                  **kwargs):
-        from fbt_megatron.serving.plugin import register
+        from fbt_megatron.inference.serving.plugin import register
 
         register()  # lm-eval loads the config and tokenizer before vLLM loads its plugins
         named = named_mode(decode_mode, fused_prefill_passes)

@@ -29,7 +29,7 @@ import fnmatch
 
 import torch
 
-from fbt_megatron.errors import RecipeError
+from fbt_megatron.common.errors import RecipeError
 from fbt_megatron.recipe import Recipe
 
 HEADWISE_GATE = "*self_attention.linear_gate.weight"

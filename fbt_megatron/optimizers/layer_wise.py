@@ -18,7 +18,7 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fbt_megatron import compat
+from fbt_megatron.common import compat
 
 
 class LayerWiseOptimizer(LayerWiseDistributedOptimizer):

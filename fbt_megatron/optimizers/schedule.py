@@ -18,10 +18,9 @@ from typing import Optional, Tuple
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from fbt_megatron import flags
-from fbt_megatron.cli import plural
-from fbt_megatron.errors import RecipeError
-from fbt_megatron.recipe import Recipe
+from fbt_megatron.common.cli import plural
+from fbt_megatron.common.errors import RecipeError
+from fbt_megatron.recipe import Recipe, flags
 
 
 class WeightDecayScheduler(OptimizerParamScheduler):

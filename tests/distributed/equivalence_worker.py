@@ -101,10 +101,9 @@ def main():
     args = parser.parse_args()
 
     import torch.distributed as dist
-
     from megatron.core import parallel_state
 
-    from fbt_megatron import sequence
+    from fbt_megatron.model import sequence
 
     torch.set_num_threads(1)
     for layout in json.loads(args.layouts):  # one launch, several layouts: the parallel state is rebuilt for each
@@ -119,13 +118,14 @@ def main():
 def run_layout(args, out: Path, overrides: list, modes: list):
     """Every (recompute mode, k) trial at the layout of ``overrides``; results under ``out``."""
     import torch.distributed as dist
-
     from megatron.core import parallel_state
 
-    from fbt_megatron import build, checkpointing, platform, train
-    from fbt_megatron.data.build import build_data
-    from fbt_megatron.step import data_parallel_mean, run_schedule
-    from fbt_megatron.offload import STATS
+    from fbt_megatron import train
+    from fbt_megatron.common import platform
+    from fbt_megatron.model.offload import STATS
+    from fbt_megatron.trainer import build, checkpointing
+    from fbt_megatron.trainer.data import build_data
+    from fbt_megatron.trainer.step import data_parallel_mean, run_schedule
 
     recipe = train.parse_args(["--recipe", "recipes/tiny_cpu.yaml", "--data-path", args.corpus, *SHRINK, *overrides])
     t, p = recipe.training, recipe.parallel

@@ -21,14 +21,16 @@ def result(work) -> None:
 def main():
     import torch
 
-    from fbt_megatron import platform
-    from fbt_megatron.resilience.faults import Faults
-    from fbt_megatron.resilience.watchdog import Watchdog, arm_flight_recorder
+    from fbt_megatron.common import platform
+    from fbt_megatron.common.logs import setup_logging
+    from fbt_megatron.trainer.callbacks.faults import Faults
+    from fbt_megatron.trainer.callbacks.watchdog import Watchdog, arm_flight_recorder
 
+    setup_logging()
     save, stuck, minutes = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     arm_flight_recorder(save)
     platform.init_distributed()
-    Watchdog(minutes, save, step=0, train_iters=1)  # never kicked: it fires after MINUTES
+    Watchdog(minutes, save, step=0, train_iters=1).start()  # never kicked: it fires after MINUTES
     Faults([f"hang@1:{stuck}"], save, dist.get_rank()).start_step(1)  # the stuck rank stops here
     result(dist.all_reduce(torch.ones(4, device=platform.device()), async_op=True))
 

@@ -15,7 +15,7 @@ def main():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from fbt_megatron import platform
+    from fbt_megatron.common import platform
     from fbt_megatron.optimizers.normuon import NorMuon
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Worker of tests/test_optimizers.py, launched as forked ranks at one parallel layout (or called in
 the test's own process for one process): NorMuon + Adam (``--optimizer normuon``) through the
-training entry point's own ``train.train``, several runs in one launch. It writes into ``--out``:
+training training loop ``trainer.loop.train``, several runs in one launch. It writes into ``--out``:
   full/                 an uninterrupted run of STEPS steps from the seed checkpoint (metrics.jsonl,
                         its last checkpoint)
   part/                 the same run stopped by --exit-interval EXIT, then resumed with --load
@@ -35,9 +35,10 @@ def recipe_args(corpus, *flags) -> list:
 def create_seed(corpus, seed_checkpoint, model_json: Path) -> None:
     """The seed checkpoint every layout starts from, and the model's arguments to read it (one process)."""
     from fbt_megatron import train
+    from fbt_megatron.trainer import loop
 
     recipe = train.parse_args(recipe_args(corpus, "--create-seed-checkpoint", "true", "--save", seed_checkpoint))
-    train.train(recipe)
+    loop.train(recipe)
     model_json.write_text(json.dumps({"vocab_size": 512, "seq_length": 64, **recipe.model_overrides}))
 
 
@@ -46,8 +47,9 @@ def schedule_and_memory(recipe) -> dict:
     bytes of optimizer state (moments) this rank holds once every state is initialised."""
     import torch.distributed as dist
 
-    from fbt_megatron import build, optimizers
+    from fbt_megatron import optimizers
     from fbt_megatron.optimizers import schedule
+    from fbt_megatron.trainer import build
 
     config, model, ddp = build.build_model(recipe, 512)
     optimizer, scheduler = build.build_optimizer(recipe, config, ddp)
@@ -70,9 +72,10 @@ def run_layout(corpus, seed_checkpoint, out: Path, overrides=(), blockwise=False
     import torch.distributed as dist
 
     from fbt_megatron import train
+    from fbt_megatron.trainer import loop
 
     def run(*flags):
-        return train.train(train.parse_args(recipe_args(corpus, *overrides, *flags)))
+        return loop.train(train.parse_args(recipe_args(corpus, *overrides, *flags)))
 
     run("--load", seed_checkpoint, "--save", out / "full")
     run("--load", seed_checkpoint, "--save", out / "part", "--exit-interval", EXIT)

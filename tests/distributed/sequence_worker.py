@@ -21,10 +21,9 @@ def main():
     args = parser.parse_args()
 
     import torch.distributed as dist
-
     from megatron.core import parallel_state
 
-    from fbt_megatron import sequence
+    from fbt_megatron.model import sequence
 
     ok = True
     for layout in args.layout:
@@ -41,13 +40,12 @@ def main():
 def check(args) -> bool:
     """This rank's checks at one (TP, CP) layout."""
     import torch.distributed as dist
-
     from megatron.core import parallel_state
 
-    from fbt_megatron import platform
-    from fbt_megatron.fbt import masked_mean
-    from fbt_megatron.parallel.pipeline import _loss_tokens
-    from fbt_megatron.sequence import sequence_layout
+    from fbt_megatron.common import platform
+    from fbt_megatron.distributed.pipeline import _loss_tokens
+    from fbt_megatron.model.fbt import masked_mean
+    from fbt_megatron.model.sequence import sequence_layout
 
     platform.init_distributed(args.tp, context_parallel_size=args.cp)
     config = SimpleNamespace(sequence_parallel=args.tp > 1, context_parallel_size=args.cp)

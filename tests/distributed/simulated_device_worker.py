@@ -20,7 +20,7 @@ def refused(action, message: str) -> str:
 def main():
     from megatron.core import parallel_state
 
-    from fbt_megatron import platform
+    from fbt_megatron.common import platform
 
     platform.init_distributed(2)  # TP 2: megatron-core's groups from the default backend
     rank, device = dist.get_rank(), platform.device()

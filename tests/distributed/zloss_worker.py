@@ -1,5 +1,5 @@
 """Worker of the z-loss TP test: every rank holds its vocabulary shard of one random [s, b, V]
-logits tensor. The vocab-parallel cross-entropy with z-loss (``fbt_megatron.losses``) must give,
+logits tensor. The vocab-parallel cross-entropy with z-loss (``fbt_megatron.model.losses``) must give,
 on every rank, the per-token cross-entropy and the z term that one process computes on the whole
 logits (torch.logsumexp), its backward the whole computation's gradient at this rank's shard,
 and with the z-loss off the values and gradients of megatron-core's own vocab-parallel
@@ -15,8 +15,8 @@ def main():
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from fbt_megatron import platform
-    from fbt_megatron.losses import ZLoss, vocab_parallel_cross_entropy_z
+    from fbt_megatron.common import platform
+    from fbt_megatron.model.losses import ZLoss, vocab_parallel_cross_entropy_z
 
     torch.set_num_threads(1)
     platform.init_distributed(tensor_model_parallel_size=int(os.environ.get("WORLD_SIZE", "1")))

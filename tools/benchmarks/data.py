@@ -153,7 +153,7 @@ def measure(args) -> dict:
     """Raw tokenizer (W processes), preprocess_data (W workers) and, given, Megatron-LM's
     preprocess_data (W workers) on the same text, in interleaved rounds; the coordinating process's
     CPU time; the peak memory of preprocess_data at 1× and 10× the text, in children."""
-    from fbt_megatron import processes
+    from fbt_megatron.common import processes
     from fbt_megatron.data.preprocess import preprocess
 
     processes.install()  # the raw tokenizer's processes die with this one

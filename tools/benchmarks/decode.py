@@ -46,11 +46,11 @@ def build_models(args, shape: dict) -> dict:
     (tied embeddings, SDPA attention; random weights): all fp32, eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fbt_megatron.config import make_config
-    from fbt_megatron.convert import mapping
-    from fbt_megatron.convert.hf.configuration_fbt import FBTConfig as HFConfig
-    from fbt_megatron.convert.hf.modeling_fbt import FBTForCausalLM
-    from fbt_megatron.runs import build_inference_model
+    from fbt_megatron.inference.convert import mapping
+    from fbt_megatron.inference.convert.hf.configuration_fbt import FBTConfig as HFConfig
+    from fbt_megatron.inference.convert.hf.modeling_fbt import FBTForCausalLM
+    from fbt_megatron.inference.runs import build_inference_model
+    from fbt_megatron.model.config import make_config
 
     torch.manual_seed(args.seed)
     config = make_config(args.preset, **shape, params_dtype=torch.float32)
@@ -95,7 +95,7 @@ class TokenClock:
 def make_steps(models: dict, prompt: List[int], new_tokens: int) -> Dict[str, Dict[int, Callable[[], None]]]:
     """{variant: {tokens generated: the call}}: 1 token (the prompt's prefill, timed whole) and
     ``new_tokens`` (returns its own per-token decode time)."""
-    from fbt_megatron.generate import generate
+    from fbt_megatron.inference.generate import generate
 
     def mcore(mode: str, n: int = 0):
         def call(count: int):

@@ -159,7 +159,7 @@ class Batch:
 # ---------------------------------------------------------------- the run
 def start(args) -> float:
     """Torch's threads, the one-process group and the seeds; returns the load average before."""
-    from fbt_megatron import platform
+    from fbt_megatron.common import platform
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -181,7 +181,7 @@ def shape_overrides(args, tiny_shape: dict) -> dict:
     """make_config overrides for the benchmarked shape: the shape flags given, on top of the
     benchmark's own ``tiny_shape`` for ``--preset tiny`` (not with --quick) and of the preset's
     shape otherwise."""
-    from fbt_megatron.config import PRESETS
+    from fbt_megatron.model.config import PRESETS
 
     if args.preset not in PRESETS:
         raise ValueError(f"unknown model preset {args.preset!r}; choose one of {sorted(PRESETS)}")

@@ -29,8 +29,8 @@ RATIOS = [Ratio(f"optimizer_step_normuon_vs_adam_{name.split()[0]}", f"optimizer
 def optimizer_step(optimizer_name: str, shape: dict, seed: int) -> Callable[[], None]:
     """One optimizer step of the training run's optimizer (``build.build_optimizer``, one
     process) on fixed random gradients, weights updated in place."""
-    from fbt_megatron import flags
-    from fbt_megatron.build import build_model, build_optimizer
+    from fbt_megatron.recipe import flags
+    from fbt_megatron.trainer.build import build_model, build_optimizer
 
     recipe = flags.parse(["--optimizer", optimizer_name, "--lr", "0.01", "--adam-lr", "5e-4",
                           *(f"--{k.replace('_', '-')}={v}" for k, v in shape.items())], prog="benchmark", description="")

@@ -107,9 +107,9 @@ def write_random_export(args, folder: Path, **layer) -> Path:
 
     import torch
 
-    from fbt_megatron.config import make_config
-    from fbt_megatron.convert import mapping
-    from fbt_megatron.serving.synthetic import write_export
+    from fbt_megatron.inference.convert import mapping
+    from fbt_megatron.inference.serving.synthetic import write_export
+    from fbt_megatron.model.config import make_config
 
     shape = shape_overrides(argparse.Namespace(**{**vars(args), "quick": False}), TINY_SHAPE)
     config = make_config(args.preset, **shape, params_dtype=torch.float32)

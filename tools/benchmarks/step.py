@@ -24,8 +24,8 @@ from typing import Callable, Dict
 
 import torch
 
-from .measure import (Batch, Ratio, median_ratio, peak_activations, progress, settings, shape_overrides, start,
-                      storage_ptrs, time_rounds)
+from .measure import (Batch, Ratio, median_ratio, peak_activations, progress, settings, shape_overrides, start, storage_ptrs,
+                      time_rounds)
 from .report import format_report as report
 
 FLAG = None  # the default benchmark
@@ -94,8 +94,8 @@ def build_models(args, shape: dict) -> Dict[str, torch.nn.Module]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from fbt_megatron.config import make_config
-    from fbt_megatron.model import FBTModel, fbt_model_spec
+    from fbt_megatron.model.config import make_config
+    from fbt_megatron.model.fbt_model import FBTModel, fbt_model_spec
 
     def seeded(make):
         torch.manual_seed(args.seed)
@@ -129,8 +129,8 @@ def build_models(args, shape: dict) -> Dict[str, torch.nn.Module]:
 
 def make_step(model, passes: int, batch: Batch) -> Callable[[], None]:
     """One training step's model work: forward and backward, gradients reset beforehand."""
-    from fbt_megatron.fbt import masked_mean, multi_pass_loss
-    from fbt_megatron.model import FBTModel
+    from fbt_megatron.model.fbt import masked_mean, multi_pass_loss
+    from fbt_megatron.model.fbt_model import FBTModel
 
     def loss():
         if isinstance(model, FBTModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from fbt_megatron.cli import plural
+from fbt_megatron.common.cli import plural
 from fbt_megatron.data.sft.chat import ChatEncoder, chat_template, read_conversations
 from fbt_megatron.data.sft.packing import SFTDataset
 from fbt_megatron.data.sft.tiny_set import ensure_sft_set, set_files, set_source
@@ -38,7 +38,7 @@ def sft_chat_template(d) -> Tuple[str, str]:
     return chat_template(sft_tokenizer_file(d))
 
 
-def load_sft_data(d, seed: int, report: bool = True):
+def load_sft_data(d, seed: int):
     """(tokenizer, train, valid, source) for the data section ``d`` with ``d.sft``: its
     train_data_path / valid_data_path chat JSONL files with ``d.tokenizer_model``, or the prepared
     SFT set in ``d.data_path`` with the tokenizer (and chat template) stored there."""
@@ -54,7 +54,7 @@ def load_sft_data(d, seed: int, report: bool = True):
     encoder = ChatEncoder(tokenizer, *chat_template(tokenizer_path))
     splits = []
     for paths, split_seed in ((train, seed), (valid, seed + 1)):
-        conversations = [c for p in paths for c in read_conversations(p, encoder, d.seq_length, d.sft_skip_bad_records, report)]
+        conversations = [c for p in paths for c in read_conversations(p, encoder, d.seq_length, d.sft_skip_bad_records)]
         splits.append(SFTDataset(conversations, d.seq_length, split_seed, tokenizer.pad))
     described = (f"{source} (SFT: {plural(len(splits[0].conversations), 'conversation')} in {plural(len(splits[0]), 'row')}, "
                  f"{splits[0].tokens / (len(splits[0]) * d.seq_length):.0%} filled; {encoder.source}; "

@@ -24,6 +24,7 @@ piece is tokenised alone (``eos_token`` → the EOD id), so span boundaries are 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ import numpy as np
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from fbt_megatron.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -180,10 +183,9 @@ def _messages(line: str) -> List[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def read_conversations(path: str, encoder: ChatEncoder, seq_length: int, skip_bad: bool,
-                       report: bool = True) -> List[Conversation]:
+def read_conversations(path: str, encoder: ChatEncoder, seq_length: int, skip_bad: bool) -> List[Conversation]:
     """The conversations of one chat JSONL file that fit ``seq_length`` positions (module docstring
-    for bad records; ``report``: print the skip counts)."""
+    for bad records; the skip counts are logged)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"SFT data file {path} does not exist")
     conversations, skipped = [], Counter()
@@ -202,9 +204,9 @@ def read_conversations(path: str, encoder: ChatEncoder, seq_length: int, skip_ba
                 if not skip_bad:
                     raise ValueError(f"{path}:{number}: {e}; {SKIP_HINT}") from None
                 skipped[e.kind] += 1
-    if report and skipped:
+    if skipped:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(skipped.items()))
-        print(f"sft: skipped {sum(skipped.values())} bad records of {path} ({kinds})", flush=True)
+        log.info(f"sft: skipped {sum(skipped.values())} bad records of {path} ({kinds})")
     if not conversations:
         raise ValueError(f"{path} holds no usable conversation")
     return conversations

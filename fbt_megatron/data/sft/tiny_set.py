@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
+from fbt_megatron.common.io import FolderExists, atomic_folder
 from fbt_megatron.data.sft.chat import DEFAULT_CHAT_TEMPLATE, ChatEncoder, write_tokenizer_config
 from fbt_megatron.data.tokenizer import load_tokenizer
-from fbt_megatron.io import FolderExists, atomic_folder
 
 MANIFEST = "sft.json"
 SOURCE_PREFIX = "sft:"

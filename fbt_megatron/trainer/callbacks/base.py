@@ -1,0 +1,94 @@
+"""The callbacks' protocol: what the training loop tells the helpers that watch or steer a run
+(OLMo-core's ``train.callbacks``: a base class of no-op hooks, called in registration order).
+
+``Callback``'s hooks, as ``trainer.loop.train`` calls them (``state``: the run's
+``checkpointing.TrainState``, at the iteration just reached):
+
+* ``on_start(state)``: before the first step.
+* ``on_step_start(state, k)``: a step of k passes has begun, its clock running and its gradients
+  zeroed, before its batches (called by ``step.TrainStep``: what a callback does here counts in the
+  step's time and in this rank's own part of it, ``stragglers``).
+* ``on_step_end(state, record)``: after the step and its validation; ``record``: the step's log
+  record, already on stdout, in ``metrics.jsonl`` and TensorBoard (``metrics.TrainingLog``), or
+  None (not a logged step, or not the logging rank).
+* ``on_save(state, checkpoint)``: after the step's save point, whether or not it saved
+  (``checkpoint``: the run's newest checkpoint folder, that step's own when it saved; None: none).
+* ``on_stop(state, reason)``: the loop ended without an error, its checkpoints written; ``reason``:
+  "finished", "exit_interval", "signal" or "duration" (``saver``).
+* ``on_failure(state, error)``: an exception is leaving the loop (it is raised again afterwards).
+* ``close()``: always, last (after the log's summary line), in registration order.
+
+``Callbacks`` calls one hook of every callback in the order they were registered
+(``registry.callbacks_for`` states the run's order, and why).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+
+class Callback:
+    """A helper of the training loop: override the hooks it needs (the module docstring)."""
+
+    def on_start(self, state) -> None:
+        pass
+
+    def on_step_start(self, state, k: int) -> None:
+        pass
+
+    def on_step_end(self, state, record: Optional[dict]) -> None:
+        pass
+
+    def on_save(self, state, checkpoint) -> None:
+        pass
+
+    def on_stop(self, state, reason: str) -> None:
+        pass
+
+    def on_failure(self, state, error: BaseException) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Callbacks:
+    """A run's callbacks in their order: each method calls that hook of every one, first to last."""
+
+    def __init__(self, callbacks: Iterable[Callback]):
+        self.callbacks: List[Callback] = list(callbacks)
+
+    def start(self, state) -> None:
+        for callback in self.callbacks:
+            callback.on_start(state)
+
+    def step_start(self, state, k: int) -> None:
+        for callback in self.callbacks:
+            callback.on_step_start(state, k)
+
+    def step_end(self, state, record: Optional[dict]) -> None:
+        for callback in self.callbacks:
+            callback.on_step_end(state, record)
+
+    def save(self, state, checkpoint) -> None:
+        for callback in self.callbacks:
+            callback.on_save(state, checkpoint)
+
+    def stop(self, state, reason: str) -> None:
+        for callback in self.callbacks:
+            callback.on_stop(state, reason)
+
+    def failure(self, state, error: BaseException) -> None:
+        for callback in self.callbacks:
+            callback.on_failure(state, error)
+
+    def close(self) -> None:
+        """Every callback's ``close``, even after one fails (the first failure is raised afterwards)."""
+        failed = None
+        for callback in self.callbacks:
+            try:
+                callback.close()
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed

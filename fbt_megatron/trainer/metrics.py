@@ -1,0 +1,311 @@
+"""Training logs: one record per logged step, to stdout, TensorBoard and ``<save>/metrics.jsonl``;
+the loop's callbacks get it next (Weights & Biases, ``--wandb-project``: ``callbacks.wandb_writer``,
+the TensorBoard tags).
+
+``TrainingLog`` makes the records: the window of steps since the last one (its time, throughput and
+MFU), the losses, the pass schedule's phase and shares, the z-loss, validation, stragglers
+(``callbacks.stragglers``); ``header`` and ``validation_note`` open the log. ``metrics.jsonl`` is
+appended across resumes; records past the step a run resumes from (logged after the last checkpoint
+of a crashed run) are dropped first, so the file reads as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from fbt_megatron.common.cli import plural
+from fbt_megatron.common.io import atomic_write
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(folder) -> list:
+    path = Path(folder) / METRICS
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+# TensorBoard tags: Megatron-LM's names where it has the quantity (its dashboards and scripts
+# work unchanged), ``fbt/...`` for what only FBT has. metrics.jsonl keeps the record's keys.
+TAGS = {
+    "loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "iteration_time": "iteration-time",
+    "tokens_per_s": "tokens-per-sec",
+    "tokens": "consumed-tokens",
+    "k": "fbt/passes",
+    "compute_tokens": "fbt/compute-tokens",
+    "model_tflops_per_gpu": "throughput",  # Megatron-LM's name for model TFLOP/s per GPU
+    "tokens_per_s_per_gpu": "tokens-per-sec-per-gpu",
+    "mfu": "mfu",
+    "phase": "fbt/pass-phase",
+    "z_loss": "z-loss",
+    "skipped_steps": "skipped-steps",  # steps whose update was skipped (NaN/Inf gradient norm)
+}
+
+
+def tensorboard_scalars(record: dict) -> dict:
+    """A logged record as TensorBoard tag → value."""
+    out = {}
+    for key, value in record.items():
+        if key == "step" or value is None:
+            continue
+        if key == "pass_losses":  # passes 1..k
+            out.update({f"fbt/lm loss pass{j}": v for j, v in enumerate(value, start=1)})
+        elif key == "state_deltas":  # ‖s^{(j)} − s^{(j−1)}‖ for passes 2..k
+            out.update({f"fbt/state delta pass{j}": v for j, v in enumerate(value, start=2)})
+        elif key in ("param_norms", "grad_norms"):  # per layer (callbacks.norms)
+            out.update({f"{'params-norm' if key == 'param_norms' else 'grad-norm'}/{name}": v for name, v in value.items()})
+        elif key == "stragglers":  # the ranks named slow at this step (callbacks.stragglers): their ratio to the median
+            out.update({f"stragglers/rank{s['rank']}": s["ratio"] for s in value})
+        elif key == "k_share":  # the share of steps so far that ran k passes
+            out.update({f"fbt/pass-share k{k}": v for k, v in value.items()})
+        elif key.startswith("valid_loss_fused"):
+            out[f"fbt/lm loss validation fused{key.removeprefix('valid_loss_fused')}"] = value
+            if key == "valid_loss_fused0":  # no fused pass: the plain model's validation loss
+                out["lm loss validation"], out["lm loss validation ppl"] = value, math.exp(min(value, 20.0))
+        else:
+            out[TAGS.get(key, key)] = value
+    return out
+
+
+class PassShares:
+    """The pass-schedule phase of a run's latest step and the share of its steps so far that ran
+    each k, counted from the pure schedule (``passes.PassSchedule``): a resumed run logs what an
+    uninterrupted one does. Counting continues from the previous call (a resumed run's first
+    call counts the steps before the resume once)."""
+
+    def __init__(self, schedule):
+        self.schedule, self.counts, self.steps = schedule, Counter(), 0
+
+    def __call__(self, steps: int) -> dict:
+        """``phase`` of step ``steps`` (1-based: the one just run) and ``k_share`` {"k": fraction} over steps 1..steps."""
+        self.counts.update(self.schedule(i) for i in range(self.steps, steps))
+        self.steps = steps
+        return {"phase": self.schedule.phase(steps - 1),
+                "k_share": {str(k): n / steps for k, n in sorted(self.counts.items())}}
+
+
+class MetricsLogger:
+    def __init__(self, folder: Optional[str], active: bool = True, tensorboard: bool = True,
+                 tensorboard_dir: Optional[str] = None, resume_from: int = 0):
+        """``active`` False: this rank does not log. ``folder`` None: no metrics file (and no
+        TensorBoard unless ``tensorboard_dir`` is given). ``resume_from``: the step the run resumes at."""
+        self.active = active
+        self.file = self.writer = self.last = None
+        if not active:
+            return
+        if folder is not None:
+            folder = Path(folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            kept = [r for r in read_metrics(folder) if r["step"] <= resume_from]
+            atomic_write(folder / METRICS, "".join(json.dumps(r) + "\n" for r in kept))
+            self.file = open(folder / METRICS, "a")
+        events = tensorboard_dir or (folder / "tensorboard" if folder is not None else None)
+        if tensorboard and events is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(events), purge_step=resume_from + 1 if resume_from else None)
+
+    def log(self, record: dict) -> None:
+        if self.active:
+            log.info(format_record(record))
+            self.last = record
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.writer:
+            for tag, value in tensorboard_scalars(record).items():
+                self.writer.add_scalar(tag, value, record["step"])
+            self.writer.flush()
+
+    def close(self, state=None) -> None:
+        """Ends the log with a summary line of the step reached (``state``, a ``TrainState``; else
+        the last logged record): tokens, and equivalent-compute tokens (tokens × passes)."""
+        r = vars(state) if state is not None and state.tokens else self.last
+        if self.active and r is not None:
+            step = r.get("iteration", r.get("step"))
+            log.info(f"trained to step {step}: {r['tokens']:,} tokens, {r['compute_tokens']:,} equivalent-compute tokens "
+                     f"(tokens × passes, {r['compute_tokens'] / r['tokens']:.3f} passes per token)")
+        if self.file:
+            self.file.close()
+        if self.writer:
+            self.writer.close()
+
+
+class TrainingLog:
+    """The log of a training run on this rank. Every step's time (``step.StepResult``: the step's
+    own clock) joins the current window; a logged step (every ``--log-interval``, every validation
+    and the last) makes a record: the objective and the per-pass losses (averaged over the
+    data-parallel ranks), ‖Δs‖, learning rate, gradient norm, skipped steps, the window's time per
+    step and throughput, tokens, MFU (``plan.flops.Throughput``), the pass phase and shares
+    (``PassShares``), the z-loss, every ``--log-layer-norms-interval`` steps each layer's norms
+    (``callbacks.norms``), the validation losses the loop measured after the step
+    (``step.validation_due``) and the stragglers (``callbacks.stragglers``: every rank takes part).
+    Only the last pipeline stage (``active``) has the losses and logs. ``ranks``: every rank's node
+    (``callbacks.ranks``)."""
+
+    def __init__(self, recipe, config, passes, state, ranks: list, active: bool):
+        import torch.distributed as dist
+
+        from fbt_megatron.common.gpus import peak_tflops
+        from fbt_megatron.model.flops import Throughput
+        from fbt_megatron.trainer.callbacks.stragglers import Stragglers
+
+        c, g = recipe.checkpoint, recipe.logging
+        self.recipe, self.config, self.active = recipe, config, active
+        self.logger = MetricsLogger(c.save, active=active, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
+                                    resume_from=state.iteration)
+        self.stragglers = Stragglers(g.straggler_threshold, c.save, ranks, active)
+        self.throughput = Throughput(config, dist.get_world_size(), peak_tflops(g.peak_tflops), state.tokens, state.compute_tokens)
+        self.pass_shares = PassShares(passes)
+        self.records, self.window_time, self.window_steps = [], 0.0, 0
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is logged: every ``--log-interval``, every validation, the last."""
+        from fbt_megatron.trainer.step import validation_due
+
+        return (step % self.recipe.logging.log_interval == 0 or step == self.recipe.training.train_iters
+                or validation_due(self.recipe, step))
+
+    def end_step(self, state, k: int, step, valid: dict) -> Optional[dict]:
+        """After the step (``step.StepResult``, k passes) that brought ``state`` to its iteration and
+        the validation after it (``valid``: its losses; {} when none ran): the step's record, written,
+        at a logged step of the logging rank; else None."""
+        self.window_time += step.seconds
+        self.window_steps += 1
+        self.stragglers.add(step.own)
+        if not self.due(state.iteration):
+            return None
+        stragglers = self.stragglers.gather()  # every rank
+        if not step.report:  # not the last pipeline stage: no losses here
+            return None
+        record = self._record(state, k, step)
+        self.window_time, self.window_steps = 0.0, 0
+        record.update(valid)
+        if stragglers:
+            record["stragglers"] = stragglers
+        self.records.append(record)
+        self.logger.log(record)
+        self.stragglers.report(state.iteration, stragglers)
+        return record
+
+    def _record(self, state, k: int, step) -> dict:
+        from fbt_megatron.model.fbt import pass_weights
+        from fbt_megatron.trainer.step import data_parallel_mean
+
+        report = data_parallel_mean(step.report)
+        losses = report["pass_losses"]
+        tokens_per_step = self.recipe.training.global_batch_size * self.recipe.data.seq_length
+        record = {
+            "step": state.iteration,
+            "k": k,
+            "loss": sum(w * l for w, l in zip(pass_weights(self.config, k), losses)),
+            "pass_losses": losses,
+            "state_deltas": report.get("state_deltas", []),
+            "lr": step.lr,
+            "grad_norm": step.grad_norm,
+            "skipped_steps": state.skipped_steps,
+            "iteration_time": self.window_time / self.window_steps,
+            "tokens_per_s": self.window_steps * tokens_per_step / self.window_time,
+            "tokens": state.tokens,
+            "compute_tokens": state.compute_tokens,
+        }
+        record.update(self.throughput.fields(record))  # tokens/s and model TFLOP/s per GPU, MFU (fbt_megatron.model.flops)
+        record.update(self.pass_shares(state.iteration))  # the step's pass-schedule phase, the share of each k so far
+        record.update(step.layer_norms or {})  # param_norms, grad_norms: {layer: norm}
+        if "z_loss" in report:  # `loss` is the objective, cross-entropy + z; `pass_losses` stay cross-entropy
+            record.update(z_loss=report["z_loss"], loss=record["loss"] + report["z_loss"])
+        return record
+
+    def close(self, state) -> None:
+        """The log's end: its summary line says the step ``state`` reached (a stop may come between
+        logged steps)."""
+        self.logger.close(state)
+
+
+def header(recipe, model, vocab: int, data, schedule: dict, start: int) -> str:
+    """The lines a run's log opens with: model, data, layout, steps, learning rate, passes, FLOPs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from fbt_megatron.model.flops import flops_per_token
+    from fbt_megatron.optimizers.schedule import describe_schedule
+    from fbt_megatron.trainer.passes import pass_schedule
+
+    t, p = recipe.training, recipe.parallel
+    tokenizer_vocab = data.tokenizer.vocab_size
+    return (
+        f"fbt-megatron: {recipe.model.preset}, {sum(q.numel() for q in model.parameters()):,} parameters on this rank, "
+        f"vocabulary {tokenizer_vocab:,}" + (f" (padded to {vocab:,})" if vocab != tokenizer_vocab else "") + "\n"
+        f"  data {data.source}; world {dist.get_world_size()} (tp {p.tensor_model_parallel_size}, "
+        f"pp {p.pipeline_model_parallel_size}, cp {p.context_parallel_size}"
+        + (f" over {model.config.cp_comm_type}" if model.config.cp_comm_type else "")
+        + f", dp {parallel_state.get_data_parallel_world_size()}); "
+        f"steps {start}→{t.train_iters} of {t.global_batch_size} × {recipe.data.seq_length} tokens\n"
+        f"  learning rate: {describe_schedule(schedule, t.train_iters)}\n"
+        f"  passes: {pass_schedule(recipe).describe()}\n"
+        f"  model FLOPs per token (fwd+bwd, fbt_megatron.model.flops): "
+        + ", ".join(f"{flops_per_token(model.config, k):.3g} at k = {k}" for k in sorted(pass_schedule(recipe).expected_passes(t.train_iters)))
+    )
+
+
+def validation_note(valid, recipe) -> Optional[str]:
+    """A note when validation reads the training blend (``--train-data-path`` without
+    ``--valid-data-path``), a warning when it asks for more sequences than the validation split
+    holds (they repeat, so the loss is measured on less text than it seems)."""
+    t, length, d = recipe.training, recipe.data.seq_length, recipe.data
+    if t.eval_iters and d.train_data_path is not None and d.valid_data_path is None:
+        return ("note: validation reads the training data (--train-data-path, no --valid-data-path): its loss is "
+                "measured on sequences trained on; give --valid-data-path a held-out blend to measure generalization")
+    documents = getattr(valid, "dataset", None)
+    if documents is None or not hasattr(valid, "indices"):  # a blend or another dataset class
+        return None
+    tokens = int(documents.sequence_lengths[valid.indices].sum())
+    distinct, asked = max(1, (tokens - 1) // length), t.eval_iters * t.global_batch_size
+    if not t.eval_iters or asked <= distinct:
+        return None
+    return (f"warning: validation reads {asked} sequences of {length} tokens but its split holds {tokens:,} tokens "
+            f"({distinct} distinct sequences): they repeat; use a larger validation split or fewer --eval-iters")
+
+
+def epochs_note(train, recipe) -> Optional[str]:
+    """A warning when fine-tuning (``--sft``) reads its set of packed rows more than once: the
+    conversations repeat, as ``validation_note`` says of validation."""
+    t = recipe.training
+    if not recipe.data.sft or not len(train):
+        return None
+    asked = t.train_iters * t.global_batch_size
+    epochs = asked / len(train)
+    if epochs <= 1:
+        return None
+    return (f"warning: SFT reads {asked:,} rows ({plural(t.train_iters, 'step')} × {t.global_batch_size}) of a set of "
+            f"{plural(len(train), 'row')}: {epochs:.1f} epochs, every conversation about {epochs:.0f} times; add conversations "
+            f"or lower --train-iters to repeat them less")
+
+
+def format_record(r: dict) -> str:
+    parts = [f"step {r['step']:>6}", f"k {r['k']}", f"loss {r['loss']:.4f}"]
+    if "z_loss" in r:
+        parts.append(f"z {r['z_loss']:.2e}")
+    if len(r["pass_losses"]) > 1:
+        parts.append("passes " + "/".join(f"{l:.4f}" for l in r["pass_losses"]))
+    if "k_share" in r:  # phase, then the share of steps so far per k
+        parts.append(f"phase {r['phase']} k% " + "/".join(f"{k}:{100 * v:.0f}" for k, v in r["k_share"].items()))
+    if r.get("state_deltas"):
+        parts.append("|Δs| " + "/".join(f"{d:.3f}" for d in r["state_deltas"]))
+    parts += [f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}" if r["grad_norm"] is not None else "grad -"]
+    parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in r:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    valid = [r[k] for k in sorted(r) if k.startswith("valid_loss_fused")]
+    if valid:
+        parts.append("valid " + "/".join(f"{v:.4f}" for v in valid))
+    return " | ".join(parts)
