@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -139,7 +140,10 @@ def start_of(recipe: Recipe) -> Optional[Start]:
         if saved["iteration"] >= recipe.training.train_iters:
             raise RecipeError(f"the checkpoint in {folder} is at iteration {saved['iteration']}, not before "
                               f"--train-iters {recipe.training.train_iters}")
-        return Start(folder, iteration, saved, weights_only=False)
+        what = "weights" + ("" if recipe.checkpoint.no_load_optim else ", optimizer") + ("" if recipe.checkpoint.no_load_rng else ", RNG")
+        note = (f"--load {folder}: resumed {checkpointing.checkpoint_dir(folder, saved['iteration']).name} "
+                f"(step {saved['iteration']}: {what}, data position)")
+        return Start(folder, iteration, saved, weights_only=False, note=note)
     if not Path(folder).is_dir():
         raise RecipeError(f"{flag} {folder}: no such run folder")
     try:
@@ -166,5 +170,7 @@ def load(start: Start, recipe: Recipe, model, optimizer, scheduler) -> None:
     """Load ``start`` into the model (and, resuming, the optimizer, scheduler and RNG streams
     unless --no-load-optim / --no-load-rng)."""
     c = recipe.checkpoint
+    began = time.monotonic()
     checkpointing.load(start.folder, model, optimizer, scheduler, iteration=start.iteration, weights_only=start.weights_only,
                        load_optimizer=not c.no_load_optim, load_rng=not c.no_load_rng)
+    start.note += f", loaded in {time.monotonic() - began:.1f} s"

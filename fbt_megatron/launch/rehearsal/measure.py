@@ -51,10 +51,6 @@ class Measured:
     def ok(self) -> bool:
         return self.code == 0
 
-    def first_line_after(self, prefix: str) -> Optional[float]:
-        """When the first line starting with ``prefix`` arrived (None: no such line)."""
-        return next((t for t, text in self.lines if text.startswith(prefix)), None)
-
     def peak(self) -> str:
         """When the largest process's RSS peaked, and the last log line before then."""
         if self.peak_at is None:

@@ -107,11 +107,11 @@ class Report:
             self.figure(f"{stage}: {count} checkpoint save(s), training held up ({'async' if background else 'blocking'})",
                         blocked, "s", "the rest written in the background, the run's end waits for it" if background else "")
 
-    def load_time(self, fresh: Measured, resumed: Measured) -> None:
-        """The resumed run's time to its first log line minus the fresh run's: what loading added."""
-        a, b = fresh.first_line_after("fbt-megatron:"), resumed.first_line_after("fbt-megatron:")
-        if a is not None and b is not None:
-            self.figure("checkpoint load (≈ resumed − fresh time to the first log line)", round(b - a, 1), "s")
+    def load_time(self, resumed: Measured) -> None:
+        """What loading the checkpoint took, from the resumed run's own line (``…, loaded in X s``)."""
+        line = next((text for _, text in resumed.lines if ", loaded in " in text), None)
+        if line is not None:
+            self.figure("checkpoint load (the resumed run's own timing)", float(line.split(", loaded in ")[1].split()[0]), "s")
 
     def export(self, folder: Path, max_shard_size: str) -> None:
         from fbt_megatron.inference.convert.to_hf import parse_size

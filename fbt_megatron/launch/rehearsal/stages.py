@@ -210,7 +210,7 @@ class Rehearsal:
                                                          "--async-save", "true"), resumed)
         self.report.check_losses("resume from step 1 = uninterrupted, step 2 (k=3)", steps[2], checks.metrics(resumed)[2],
                                  tolerance=0.0)
-        self.report.load_time(train, resume)
+        self.report.load_time(resume)
         self.report.saves("resume", resume)
         self.report.check("resume's step-2 checkpoint (async save) = train's, file for file",
                           *checks.same_checkpoint(resumed / "iter_0000002", run / "iter_0000002"))
