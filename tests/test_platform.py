@@ -81,32 +81,3 @@ def test_ranks_sharing_one_output_under_python_u_write_whole_lines(tmp_path):
     lines = log.read_text().splitlines()
     torn = [line for line in lines if not re.fullmatch(r"rank [01] line \d+ x{40}", line)]
     assert len(lines) == 4000 and not torn, torn[:5]
-
-
-_MKL_DYNAMIC = """
-import ctypes, os, sys
-if sys.argv[1] == "package":
-    import fbt_megatron  # noqa: F401  (what every `python -m fbt_megatron.…` command imports first)
-import torch
-print(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_serv_get_dynamic())
-"""
-
-
-def test_mkl_keeps_the_thread_count_torch_asks_for():
-    """oneMKL's own reading of MKL_DYNAMIC in a fresh process: off where the package is imported
-    first (with it on, a resumed step at the rehearsal's width differed from the uninterrupted one in
-    5 of 39 runs on a loaded 2-core machine; off, 0 of 25), on with torch alone, and a user's own
-    setting kept."""
-    import os
-    import subprocess
-    import sys
-
-    if not torch.backends.mkl.is_available():
-        pytest.skip("torch without oneMKL")
-    env = {k: v for k, v in os.environ.items() if k != "MKL_DYNAMIC"}
-
-    def dynamic(first: str, **extra) -> str:
-        return subprocess.run([sys.executable, "-c", _MKL_DYNAMIC, first], env={**env, **extra}, capture_output=True,
-                              text=True, check=True).stdout.strip()
-
-    assert (dynamic("package"), dynamic("torch"), dynamic("package", MKL_DYNAMIC="TRUE")) == ("0", "1", "1")

@@ -42,7 +42,7 @@ def test_widened_tokenizer_encodes_as_before(small_corpus, tmp_path):
 def test_rehearsal_at_the_real_width(tmp_path, monkeypatch):
     out = tmp_path / "rehearsal"
     argv = ["--recipe", "recipes/fbt_1b_100b.yaml", "--output", out, "--num-layers", 1, "--seq-length", 32,
-            "--vocab-size", 2048, "--max-new-tokens", 4, "--max-shard-size", "40MB", "--no-vllm", "--", "--muon-num-ns-steps", 1]
+            "--vocab-size", 2048, "--max-new-tokens", 4, "--max-shard-size", "40MB", "--no-vllm", "--threads", 1, "--", "--muon-num-ns-steps", 1]
     # the tool's main() in this process (its stages are child processes either way): one interpreter's
     # start-up (torch, megatron-core: ~6 CPU-s) fewer than `python tools/rehearse.py`
     spec = importlib.util.spec_from_file_location("rehearse_tool", ROOT / "tools" / "rehearse.py")
