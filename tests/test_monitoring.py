@@ -14,7 +14,7 @@ heartbeat, the rank → node record, stragglers.
 * The heartbeat: ``<save>/heartbeat.json`` names the last step, its tokens and checkpoint; a run
   killed (``crash@4``) after the checkpoint of step 3 leaves a heartbeat naming step 3 and that
   checkpoint, not the one before.
-* Stragglers on 2 ranks: ``slow@3:1`` makes rank 1 sleep 1 s in each step from 3; the logged steps
+* Stragglers on 2 ranks: ``slow@3:1`` makes rank 1 spend 1 s of CPU in each step from 3; the logged steps
   4 and 6 name it and its node (``SLURMD_NODENAME``) in the log, ``metrics.jsonl`` and
   ``<save>/stragglers.jsonl``, step 2 does not; the same run without the fault names nobody and
   logs the same losses bit for bit. Both write ``<save>/ranks.json`` (every rank's node, local rank, pid).
@@ -254,7 +254,7 @@ def test_a_slow_rank_is_named_with_its_node_and_changes_no_loss(small_corpus, tm
     named = read_stragglers(tmp_path / "slow")
     assert [(s["step"], s["rank"], s["node"]) for s in named] == [(4, 1, "n7"), (6, 1, "n7")]  # steps 3-4, 5-6; not 1-2
     for s in named:
-        assert s["step_time"] > 1.0 and s["ratio"] == s["step_time"] / s["median"] > 1.5, s  # the sleep is its own time
+        assert s["step_time"] > 1.0 and s["ratio"] == s["step_time"] / s["median"] > 1.5, s  # the busy loop is its own time
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", s["time"]), s
     records = read_metrics(tmp_path / "slow")
     assert [r["step"] for r in records] == [2, 4, 6] and "stragglers" not in records[0]

@@ -414,7 +414,7 @@ def drill_flags(small_corpus) -> list:
 @pytest.fixture(scope="module")
 def uninterrupted(drill_flags, tmp_path_factory) -> list:
     """What every drill is held to: its flags as 2 processes on one node (torchrun), no fault, no stop
-    (the faults drilled change no loss: a crash or hang fires once, a slow rank only sleeps)."""
+    (the faults drilled change no loss: a crash or hang fires once, a slow rank only loops)."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     assert torchrun_two(folder / "log", [*drill_flags, "--save", folder / "run"]) == 0, (folder / "log").read_text()[-3000:]
     return read_metrics(folder / "run")
@@ -594,7 +594,7 @@ def test_a_node_lost_mid_run_is_requeued_by_slurm_onto_the_nodes_left_and_resume
     requeues the job (``--requeue``) onto the two nodes left, which resume from the last checkpoint.
     The next start records the attempt as lost, Slurm's requeue, not counted against the budget
     (``--max-restarts 0``). All 16 steps' losses equal an uninterrupted run of 2 processes on one
-    node bit for bit. (``slow@3:0`` — rank 0 sleeps 1 s in each of steps 3-12, as a straggler — keeps
+    node bit for bit. (``slow@3:0`` — rank 0 spends 1 s of CPU in each of steps 3-12, as a straggler — keeps
     the job running long enough to be killed mid-run whatever the machine's load; the losses are
     not touched by it.)"""
     began = time.time()

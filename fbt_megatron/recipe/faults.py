@@ -8,7 +8,9 @@ the spec, checked with the recipe; ``trainer.callbacks.faults`` fires them.
   returns: Python's own lock taken twice through its C API), so none of its threads runs, its
   watchdog included: it writes no stacks, the others name it by its missing file, and the launcher
   ends it once they have exited.
-* ``slow@3:1`` — rank 1 is a straggler: it sleeps ``SLOW_SECONDS`` (1 s) at the start of each of
+* ``slow@3:1`` — rank 1 is a straggler: it spends ``SLOW_SECONDS`` (1 s) of CPU time in a busy loop
+  (as a throttled device would: more work for the same step; a sleep would be no work on a CPU,
+  where the check counts CPU time) at the start of each of
   the ``SLOW_STEPS`` (10) steps from step 3 (3-12), inside its own part of the step, while the
   others wait for it in the gradient reduction; the straggler check (``trainer.callbacks.stragglers``)
   names it. Only time changes: the losses are those of the run without it, bit for bit.
@@ -41,7 +43,7 @@ from fbt_megatron.common.errors import RecipeError
 KINDS = ("crash", "hang", "freeze", "slow", "spike")
 ONCE = ("crash", "hang", "freeze")  # the machine's faults: fired once per run folder
 SPIKE_FACTOR = 1000.0  # a spike's loss and gradients: this many times the step's own
-SLOW_SECONDS = 1.0  # a slow rank's sleep at the start of each of its slow steps
+SLOW_SECONDS = 1.0  # a slow rank's busy loop (CPU seconds) at the start of each of its slow steps
 SLOW_STEPS = 10  # slow@STEP slows steps STEP .. STEP + SLOW_STEPS - 1
 _SPEC = re.compile(rf"^({'|'.join(KINDS)})@(\d+)(?::(\d+))?$")
 

@@ -7,9 +7,13 @@ for a slower rank. A slow rank's own time is longer, although every rank's whole
 as the slowest one's. Ranks that exchange activations inside the forward and backward (tensor-,
 context- and pipeline-parallel peers) wait for each other there, so a slow rank's peers in those
 groups share its time and are named with it: the check finds the slow data-parallel replica. On a
-CPU the marks are the host's clock; on a GPU they are CUDA events on the compute stream (the host
-runs ahead of the kernels it launches), read at the next logged step, when the host waits for the
-GPU anyway: no step gets a synchronisation of its own (not run on a GPU yet).
+GPU the marks are CUDA events on the compute stream (the host runs ahead of the kernels it
+launches), read at the next logged step, when the host waits for the GPU anyway: no step gets a
+synchronisation of its own (not run on a GPU yet). On a CPU, the device is the host's cores: the
+marks are the process's CPU time (``time.process_time``), the work the rank did. The wall clock
+there counted the time the host's scheduler gave other processes: on a busy 2-core machine it named
+whichever rank was kept waiting (1.505× at threshold 1.5 in a world of two, where that is 3 times
+the other's time), while the same work costs each rank about the same CPU time.
 
 When (``Stragglers``): every rank adds up its own times between logged steps, without any
 communication; at a logged step (``--log-interval``, a validation, the last step) the means meet in
@@ -50,8 +54,8 @@ def read_stragglers(folder) -> List[dict]:
 
 
 class Span(NamedTuple):
-    """This rank's own part of a step, between two marks: host clock readings (CPU), or CUDA events
-    recorded on the compute stream (GPU)."""
+    """This rank's own part of a step, between two marks: the process's CPU time (CPU), or CUDA
+    events recorded on the compute stream (GPU)."""
 
     start: Any
     end: Any
@@ -80,9 +84,9 @@ class StepClock:
         config.finalize_model_grads_func = marked
 
     def _mark(self):
-        """Now: the host's clock, or on a GPU an event the compute stream records when it gets there."""
+        """Now: this process's CPU time, or on a GPU an event the compute stream records when it gets there."""
         if not self.gpu:
-            return time.perf_counter()
+            return time.process_time()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
