@@ -7,7 +7,9 @@ five (the same code and state; at this width its orthogonalisation, about a TFLO
 layer, is most of a step's time). A size-only regression anywhere between training and the Hugging
 Face export (a head dimension, a GQA split at TP 2, a checkpoint or export mapping, decoding's
 caches) fails here. The vLLM stage is left to CI's serving stage (``--no-vllm``: its engine's start-up
-is about 40 s; by hand, with .venv-serve, it runs).
+is about 40 s; by hand, with .venv-serve, it runs). One torch thread per process (``--threads 1``):
+with two, on a loaded 2-core machine, the resumed step differed from the uninterrupted one in the
+6th digit in about 1 run of 10 (docs/planning.md: "Exact on one thread").
 """
 
 import importlib.util
