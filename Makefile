@@ -56,7 +56,13 @@ MCORE_LATEST_TESTS := tests/test_compat.py tests/test_wide_layouts.py::test_grad
 	"tests/test_parallel.py::test_entry_point_logs_the_same_losses_at_every_layout[pp2_dp2_overlap]" \
 	"tests/test_parallel.py::test_checkpoint_resumes_at_another_layout[pp2_dp2_overlap-single]" \
 	tests/test_convert.py::test_export_loads_offline_and_computes_megatrons_logits \
-	tests/test_convert.py::test_export_import_export_is_bit_exact
+	tests/test_convert.py::test_export_import_export_is_bit_exact \
+	tests/test_device_contracts.py::test_the_simulated_device_refuses_what_nccl_and_cuda_refuse \
+	"tests/test_device_contracts.py::test_entry_point_on_a_device_that_is_not_the_host[tp2_sp]" \
+	tests/test_device_contracts.py::test_the_te_double_follows_transformer_engines_per_call_rules \
+	"tests/test_device_contracts.py::test_k_passes_through_transformer_engine_train_as_one_cpu_process[tp2_sp]" \
+	"tests/test_device_contracts.py::test_k_passes_through_transformer_engine_train_as_one_cpu_process[pp2]" \
+	"tests/test_device_contracts.py::test_fp8_k_passes_at_the_default_recipe_keep_their_scales[recompute_passes_pp2]"
 
 $(VENV312)/.installed: requirements-mcore-latest.txt requirements-gpu.txt pyproject.toml
 	$(PY312) -m venv $(VENV312)

@@ -60,8 +60,13 @@ def _job_options() -> argparse.ArgumentParser:
                    help="also mount this in the container (repeatable; the work folder is always mounted)")
     p.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
                    help="an extra #SBATCH line, e.g. --sbatch-option=--qos=high (repeatable; written after ours)")
+    p.add_argument("--socket-ifname", metavar="IFACE[,IFACE]",
+                   help="the network interfaces of the job's gloo groups and of NCCL's bootstrap and socket transport "
+                   "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: exactly these), e.g. ib0: on nodes with several networks "
+                   "the one the host name resolves to may not reach the others")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="export this in the job, after the NCCL defaults (repeatable), e.g. --env NCCL_SOCKET_IFNAME=ib0")
+                   help="export this in the job, after the NCCL defaults and --socket-ifname (repeatable), "
+                   "e.g. --env NCCL_IB_HCA=mlx5")
     p.add_argument("--cpus-per-task", type=int, metavar="N",
                    help="CPUs of each task (default: training jobs take whole nodes, one-GPU jobs 8 CPUs per GPU)")
     p.add_argument("--log-dir", default="logs", help="job logs: <log-dir>/<name>-<job id>.out (default logs)")
@@ -102,6 +107,10 @@ def parser() -> argparse.ArgumentParser:
                         "job's next start")
     s.add_argument("--launch", choices=script.LAUNCHES, default="torchrun",
                    help="torchrun: one task per node running torchrun; tasks: one task per GPU (default torchrun)")
+    s.add_argument("--rdzv-join-timeout", type=int, metavar="SECONDS",
+                   help="--launch torchrun: how long every node's torchrun has to join the rendezvous (torch's join_timeout, "
+                        "its default 600 s), above the time a node takes to import the --container-image should the training "
+                        f"step have to (default {script.JOIN_TIMEOUT}: {script.IMAGE_IMPORT_ALLOWANCE} s for that, 10 minutes more)")
     s.add_argument("--signal-margin", type=int, default=180, metavar="SECONDS",
                    help="the batch shell gets USR1 this long before the time limit; the training checkpoints and the job "
                         f"requeues (torchrun waits up to this less {script.STOP_RESERVE} s for the save; default 180)")
@@ -151,12 +160,7 @@ def resources(args, nodes: int, gpus_per_node: int) -> script.Resources:
     for line in args.sbatch_option:
         if not line.startswith("-") or "\n" in line:
             raise RecipeError(f"--sbatch-option {line!r}: one sbatch option, e.g. --sbatch-option=--qos=high")
-    environment = {}
-    for item in args.env:
-        name, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise RecipeError(f"--env {item}: expected NAME=VALUE, e.g. --env NCCL_SOCKET_IFNAME=ib0")
-        environment[name] = value
+    environment = _environment(args)
     exclusive = getattr(args, "exclusive", False)
     if not exclusive and args.command == "submit" and args.cpus_per_task is None:
         raise RecipeError("--no-exclusive: give --cpus-per-task (the CPUs of each task; Slurm's default is often 1)")
@@ -164,6 +168,25 @@ def resources(args, nodes: int, gpus_per_node: int) -> script.Resources:
                             account=args.account, container_image=args.container_image, log_dir=Path(args.log_dir).resolve(),
                             container_mounts=args.container_mounts, sbatch_lines=args.sbatch_option, environment=environment,
                             cpus_per_task=args.cpus_per_task, exclusive=exclusive)
+
+
+def _environment(args) -> dict:
+    """What the jobs export after the NCCL defaults: ``--socket-ifname``'s interfaces for gloo and for
+    NCCL (exact names: a bare NCCL_SOCKET_IFNAME is a prefix, ib0 would also take ib01), then each
+    ``--env`` (which wins over both)."""
+    environment = {}
+    if args.socket_ifname is not None:
+        names = args.socket_ifname.split(",")
+        if not all(re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}", name) for name in names):
+            raise RecipeError(f"--socket-ifname {args.socket_ifname!r}: network interface names, comma-separated, e.g. "
+                              "--socket-ifname ib0 (ip -brief link lists a node's)")
+        environment.update(GLOO_SOCKET_IFNAME=",".join(names), NCCL_SOCKET_IFNAME="=" + ",".join(names))
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise RecipeError(f"--env {item}: expected NAME=VALUE, e.g. --env NCCL_IB_HCA=mlx5")
+        environment[name] = value
+    return environment
 
 
 def run_submit(args, train_flags) -> int:
@@ -174,6 +197,10 @@ def run_submit(args, train_flags) -> int:
         raise RecipeError(f"--procs-per-node {args.procs_per_node}: give 1 or more, with --gpus-per-node 0 (GPU nodes run one per GPU)")
     if args.max_restarts < 0:
         raise RecipeError(f"--max-restarts {args.max_restarts}: give 0 (no retries) or more")
+    if args.rdzv_join_timeout is not None and args.launch != "torchrun":
+        raise RecipeError("--rdzv-join-timeout: the rendezvous of --launch torchrun; --launch tasks has none")
+    if args.rdzv_join_timeout is not None and args.rdzv_join_timeout < 1:
+        raise RecipeError(f"--rdzv-join-timeout {args.rdzv_join_timeout}: give 1 or more seconds")
     res.cpu_procs_per_node = args.procs_per_node
     limit = script.parse_time(args.time)
     if not script.STOP_RESERVE < args.signal_margin < limit:
@@ -208,7 +235,7 @@ def run_submit(args, train_flags) -> int:
     preflight.refuse_on(check, "; the flags of one stage of a chain: --stage-args STAGE='FLAGS'" if args.chain else "")
     eval_args = shlex.split(args.eval_args or "") if args.chain else None
     submit.submit(stages, res, args.launch, args.signal_margin, eval_args, runs_root, args.dry_run,
-                  script.Retries(args.max_restarts, args.exclude_stragglers))
+                  script.Retries(args.max_restarts, args.exclude_stragglers), args.rdzv_join_timeout or script.JOIN_TIMEOUT)
     return 0
 
 

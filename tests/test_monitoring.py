@@ -18,6 +18,9 @@ heartbeat, the rank → node record, stragglers.
   4 and 6 name it and its node (``SLURMD_NODENAME``) in the log, ``metrics.jsonl`` and
   ``<save>/stragglers.jsonl``, step 2 does not; the same run without the fault names nobody and
   logs the same losses bit for bit. Both write ``<save>/ranks.json`` (every rank's node, local rank, pid).
+  On a GPU a rank's own time is its wall time less the time its GPU ran communication kernels and
+  none of its own (the wait for a slow tensor-, context- or pipeline-parallel peer): what a profile
+  of kernels gives, checked on events as torch's profiler reports them.
 """
 
 import calendar
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from forked import run_commands, run_ranks
 from helpers import launch
 
@@ -230,6 +234,57 @@ def test_a_missing_wandb_package_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(RecipeError, match=r"^--wandb-project needs the wandb package, which is not installed: pip install wandb"):
         require_wandb()
+
+
+class _Event:
+    """A profiler event as torch's kineto results give them (``_KinetoEvent``)."""
+
+    def __init__(self, name, start, end, device="cuda", activity="kernel"):
+        from torch.autograd import DeviceType
+
+        self._name, self._start, self._end, self._activity = name, start, end, activity
+        self._device = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return self._start
+
+    def end_ns(self):
+        return self._end
+
+    def device_type(self):
+        return self._device
+
+    def activity_type(self):
+        return self._activity
+
+
+def test_a_gpu_ranks_own_time_leaves_out_the_communication_that_waits_for_peers():
+    """A step on a GPU whose tensor-parallel all-reduce waits 20 µs for a slow peer: the NCCL kernel
+    spans the wait, during which the GPU runs nothing of its own; an all-reduce overlapped by the
+    rank's own kernels (gradient buckets during the backward) hides nothing; copies, host events and
+    host gaps (a slow host is the rank's own time) are not communication. Then the same on the
+    events torch's profiler records here (host ones only: none of them communication)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fbt_megatron.trainer.callbacks.stragglers import exposed_communication_seconds
+
+    us = 1000
+    events = [_Event("ampere_bf16_s16816gemm_bf16_128x128", 0, 10 * us),
+              _Event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 5 * us, 30 * us),
+              _Event("void at::native::vectorized_elementwise_kernel<4>", 30 * us, 40 * us),
+              _Event("ncclKernel_ReduceScatter_RING_LL_Sum_float", 32 * us, 38 * us),  # NCCL before 2.19, overlapped
+              _Event("Memcpy DtoH (Device -> Pinned)", 40 * us, 60 * us, activity="gpu_memcpy"),
+              _Event("aten::mm", 0, 100 * us, device="cpu", activity="cpu_op"),
+              _Event("void flash_fwd_kernel<Flash_fwd_kernel_traits>", 70 * us, 80 * us)]  # after a host gap
+    assert exposed_communication_seconds(events) == 20e-6
+    assert exposed_communication_seconds([e for e in events if "nccl" not in e.name()]) == 0.0
+    assert exposed_communication_seconds(events[4:6]) is None  # no kernel: not measured
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8).sum()
+    assert exposed_communication_seconds(prof.profiler.kineto_results.events()) is None
 
 
 STRAGGLER = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",

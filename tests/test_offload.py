@@ -92,10 +92,11 @@ def test_kept_tensors_stay_and_the_rest_come_back_equal():
 
 
 def test_fp8_recompute_goes_through_transformer_engines_checkpoint():
-    """Under FP8 a recomputed pass must use TE's checkpoint (it keeps the delayed-scaling scales of
-    the first forward), as megatron-core's TransformerBlock does; megatron's checkpoint otherwise.
-    Without TE (this CPU) megatron's te_checkpoint is reached and says TE is not installed."""
-    from fbt_megatron.model.offload import checkpoint
+    """Under FP8 a recomputed pass must use TE's checkpoint (it marks the recompute for TE's modules),
+    as megatron-core's TransformerBlock does; megatron's checkpoint otherwise. Without TE (this CPU)
+    megatron's te_checkpoint is reached and says TE is not installed; with the TE double the passes
+    run through it (tests/test_device_contracts.py)."""
+    from fbt_megatron.model.te_calls import checkpoint
 
     x = torch.randn(4, requires_grad=True)
     plain = checkpoint(make_config("tiny"), lambda a, b: a * b, x, torch.full((4,), 2.0))

@@ -150,6 +150,7 @@ def test_sharded_shift_equals_whole_sequence_shift(nproc, layouts, tmp_path, mon
         tp, cp = layout.split(",")
         assert text.count(f"tp {tp} cp {cp}: rows") == nproc
     assert text.count("value error 0.0 grad error 0.0") == nproc * len(layouts)
+    assert text.count("host-device copies in a second pass: []") == nproc * len(layouts), text[-3000:]  # indices on the device
 
 
 # ---------------------------------------------------------------- the entry point at every layout

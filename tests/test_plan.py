@@ -1,6 +1,10 @@
 """The planner (``fbt_megatron.plan``): paper recipes plan on CPU with hand-computed figures, a
 layout that cannot fit is refused in one line, ``train --dry-run`` plans without data, the memory
-estimate matches a real CPU step, and MFU in the training log follows the FLOPs formula."""
+estimate matches a real CPU step (the local spec, fitted) and an independent tensor-by-tensor count
+of the Transformer Engine spec (not fitted), GPU plans are true to what runs there (SFT's local
+attention core, usable memory, transients, the layer-wise optimizer, Newton–Schulz in FP32, the
+CP communication type, Megatron-LM's MFU beside ours), and MFU in the training log follows the
+FLOPs formula."""
 
 import math
 import os
@@ -52,7 +56,7 @@ def test_paper_recipe_plans_with_hand_computed_figures(name):
     k_mean = sum(k * n for k, n in expected.items()) / steps
     assert plan.flops_expected / plan.flops_single == pytest.approx(k_mean + (k_mean - 1) * 12 * D * D / plan.flops_single)
     text = format_plan(plan)
-    assert f"{steps:,} × {sequences} sequences" in text and "H100" in text and "wall time at 40% MFU" in text
+    assert f"{steps:,} × {sequences} sequences" in text and "H100" in text and "model FLOPs at 40% MFU" in text
 
 
 def hand_flops(k, layers=4, d=64, f=192, heads=4, groups=2, head_dim=16, vocab=2048, seq=128, window=32, every=2):
@@ -70,21 +74,35 @@ def test_flops_per_token_is_the_hand_formula():
     assert plan.flops_expected == pytest.approx((600 * hand_flops(1) + 176 * hand_flops(2) + 24 * hand_flops(3)) / 800)
 
 
-def test_the_wall_time_counts_normuons_newton_schulz():
-    """fbt-1b under NorMuon: 5 quintic Newton–Schulz steps per matrix, 4m²n + 2m³ each (m ≤ n),
-    written out per matrix; counted once per step under the distributed optimizer, once per DP
-    replica without it; the wall time is (model FLOPs + that) at the MFU."""
-    ns = lambda m, n: 5 * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)  # noqa: E731
-    layer = ns(H * DH, D) + 2 * ns(G * DH, D) + ns(D, H * DH) + ns(2 * F, D) + ns(D, F)
-    hand = L * layer + 2 * ns(D, D)  # + the fusion's W_U and W_G
+def ns(m, n, steps=5):
+    """Newton–Schulz's FLOPs on an m × n matrix: quintic steps of 4m²n + 2m³ (m ≤ n)."""
+    return steps * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)
+
+
+def test_the_wall_time_prices_newton_schulz_in_fp32_on_the_busiest_gpu():
+    """fbt-1b under NorMuon: 5 quintic Newton–Schulz steps per matrix, written out per matrix;
+    counted once per step under the distributed optimizer, once per DP replica without it. It runs
+    in FP32 (``optimizers/normuon.py``), so its time is at the FP32 peak (67 TFLOP/s on an H100 SXM,
+    not the BF16 989) and on the GPU that owns the most of it: without the distributed optimizer TP
+    rank i of each replica orthogonalises the i-th matrix of each round of TP (megatron's attention
+    registers linear_proj before linear_qkv: per layer proj and fc1 on one TP rank, QKV and fc2 on
+    the other)."""
+    qkv, proj, fc1, fc2 = ns(H * DH, D) + 2 * ns(G * DH, D), ns(D, H * DH), ns(2 * F, D), ns(D, F)
+    hand = L * (qkv + proj + fc1 + fc2) + 2 * ns(D, D)  # + the fusion's W_U and W_G
     recipe = load_recipe(str(ROOT / "recipes" / "fbt_1b_100b.yaml"))
     assert recipe.optimizer.optimizer == "normuon" and recipe.parallel.use_distributed_optimizer
     plan = make_plan(recipe, 8, GPUS["h100"])  # TP 2 × DP 4
     assert normuon_flops_per_step(plan.config) == pytest.approx(hand, rel=1e-12) and plan.optimizer_flops == pytest.approx(hand)
-    work = plan.flops_expected * plan.tokens + hand * recipe.training.train_iters
-    assert plan.train_seconds == pytest.approx(work / (8 * GPUS["h100"].bf16_tflops * 1e12 * 0.4))
+    assert sum(q.newton_schulz for q in plan.stages[0].parameters) == pytest.approx(hand, rel=1e-12)  # per matrix, as flops.py
+    model = plan.flops_expected * plan.tokens / (8 * 989e12 * 0.4)
+    assert plan.time["model FLOPs"] == pytest.approx(model)
+    assert plan.train_seconds == pytest.approx(model + recipe.training.train_iters * plan.newton_schulz / (67e12 * 0.4))
+    assert ns(2 * F, D) <= plan.newton_schulz < hand / 2  # a whole FC1 on one GPU; less than a TP rank's half
     recipe.parallel.use_distributed_optimizer = False
-    assert make_plan(recipe, 8, GPUS["h100"]).optimizer_flops == pytest.approx(4 * hand)
+    replicated = make_plan(recipe, 8, GPUS["h100"])
+    assert replicated.optimizer_flops == pytest.approx(4 * hand)
+    assert replicated.newton_schulz == pytest.approx(max(L * (proj + fc1), L * (qkv + fc2)) + ns(D, D))
+    assert replicated.time["Newton–Schulz"] == pytest.approx(recipe.training.train_iters * replicated.newton_schulz / (67e12 * 0.4))
 
 
 def test_a_layout_that_cannot_fit_is_refused_in_one_line(capsys):
@@ -94,8 +112,171 @@ def test_a_layout_that_cannot_fit_is_refused_in_one_line(capsys):
         run_cli(lambda: plan_main(argv))
     err = capsys.readouterr().err.strip()
     assert exit.value.code == 2 and len(err.splitlines()) == 1
-    assert err.startswith("error: does not fit:") and "activations alone" in err and "> 24.0 GiB" in err
+    assert err.startswith("error: does not fit:") and "activations alone" in err and "> 22.5 GiB usable" in err
     assert plan_main([*argv[:6], "--gpu-memory-gb", "80", *argv[8:], "--recompute-passes", "true"]) == 0  # fits with pass recompute
+
+
+def _recipe(name: str, **fields):
+    recipe = load_recipe(str(ROOT / "recipes" / f"{name}.yaml"))
+    for section, values in fields.items():
+        for key, value in values.items():
+            if section == "model":
+                recipe.model_overrides[key] = value
+            else:
+                setattr(getattr(recipe, section), key, value)
+    return recipe
+
+
+SFT_GPU = dict(recipe="sft", nodes=1)  # TP 2 + SP, DP 4, micro batch 2 of 4,096 tokens, 16 heads, k = 3
+
+
+def test_sft_plans_the_local_attention_core_and_refuses_what_does_not_fit(capsys, tmp_path):
+    """SFT's packed rows run megatron's local attention core on a GPU (``trainer/build.py``): per
+    layer it keeps the FP32 softmax output and the bf16 probabilities, b·h/TP·s² each, and a bool
+    mask of b·s² (the packed mask ORed with the window). With pass recompute one pass holds them:
+    36.8 GiB at micro batch 2 (the flash plan said 17.5 GiB in all). Without recompute, or at micro
+    batch 4, it does not fit an H100: refused in one line naming the fix, by the planner and by the
+    Slurm preflight it feeds."""
+    from fbt_megatron.launch.slurm.preflight import plan_stage
+    from fbt_megatron.launch.slurm.script import Resources, Stage
+
+    plan = make_plan(_recipe("sft"), 8, GPUS["h100"])
+    est = plan.memory[plan.chosen]
+    assert plan.chosen == "recompute_passes" and 50 * 2**30 < est.total < plan.gpu_memory
+    assert plan.layout.transformer_engine and plan.layout.local_core and "local attention core for packed SFT rows" in format_plan(plan)
+    assert est.scores == L * (2 * 8 * 4096**2 * (4 + 2) + 2 * 4096**2)
+    argv = ["--recipe", str(ROOT / "recipes" / "sft.yaml"), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"]
+    for flags, fix in ((["--recompute-passes", "false"], "try --recompute-passes true, or --micro-batch-size 1, or a shorter --seq-length"),
+                       (["--micro-batch-size", "4"], "try --micro-batch-size 2, or a shorter --seq-length")):
+        with pytest.raises(SystemExit) as exit:
+            run_cli(lambda: plan_main([*argv, *flags]))
+        err = capsys.readouterr().err.strip()
+        assert exit.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: does not fit:"), err
+        assert "s × s attention scores that megatron's local core keeps for packed SFT rows" in err and err.endswith(fix), err
+    recipe = _recipe("sft", training=dict(micro_batch_size=4))
+    stage = Stage(name="sft", recipe=str(ROOT / "recipes" / "sft.yaml"), save=tmp_path / "sft", train_iters=22889,
+                  flags=["--micro-batch-size", "4"], config=recipe)
+    check = plan_stage(stage, Resources(nodes=1, gpus_per_node=8, time="24:00:00"), GPUS["h100"])
+    assert [p for p in check.problems if p.startswith("does not fit:")] == [
+        p for p in check.problems if p.endswith("try --micro-batch-size 2, or a shorter --seq-length")], check.problems
+    assert any(p.startswith("does not fit:") for p in check.problems), check.problems
+
+
+def test_sft_wall_time_counts_the_local_cores_memory_bound_scores():
+    """The local core's cast-mask-softmax-cast chain moves 33 bytes per score element forward (again
+    for each recomputed pass) and 41 backward, at the H100's 3.35 TB/s; its dense QKᵀ and AV compute
+    every s × s score where the model FLOPs count the keys a query sees (a 2,048 window in 20 of 24
+    layers): the difference at the MFU."""
+    plan = make_plan(_recipe("sft"), 8, GPUS["h100"])
+    steps, s, w = plan.recipe.training.train_iters, 4096, 2048
+    scores = 24 * 8 * 2 * 8 * s * s  # layers × microbatches per step × b·h/TP·s²
+    traffic = steps * scores * (33 * (3 + 2) + 41 * 3)  # k = 3 forwards and 2 recomputed, 3 backwards
+    seen = 20 * (w * (w + 1) / 2 + (s - w) * w) / s + 4 * (s + 1) / 2  # keys per query, summed over the layers
+    dense = 3 * plan.tokens * 3 * 4 * H * DH * (24 * s - seen) / (8 * 989e12 * 0.4)
+    assert plan.time["local attention core"] == pytest.approx(traffic / 3.35e12 + dense, rel=1e-9)
+    assert plan.time["local attention core"] > 2 * plan.time["model FLOPs"]  # memory-bound: the larger part of the run
+
+
+def test_capacity_is_the_devices_usable_memory():
+    """An H100 80GB shows CUDA 79.11 GiB, of which the context and NCCL's buffers take about 1.5:
+    77.61 GiB usable, not the nominal 80. --gpu-memory-gb is what CUDA reports: an estimate 1 GiB
+    under it is refused, 1.6 GiB under it fits."""
+    plan = make_plan(_recipe("fbt_1b_100b"), 72, GPUS["h100"])
+    assert plan.gpu_memory == pytest.approx((79.11 - 1.5) * 2**30)
+    total = plan.memory[plan.chosen].total / 2**30
+    with pytest.raises(RecipeError, match=r"does not fit: .* usable"):
+        make_plan(_recipe("fbt_1b_100b"), 72, gpu_memory_gb=total + 1.0)
+    assert make_plan(_recipe("fbt_1b_100b"), 72, gpu_memory_gb=total + 1.6).gpu_memory == pytest.approx((total + 0.1) * 2**30)
+
+
+def test_transients_and_the_layer_wise_optimizer_are_counted():
+    """fbt_1b_100b on 9 nodes (DP 36): backward's transient is the cross-entropy's bf16 logits beside
+    their FP32 copy, 2·s·V/TP; NorMuon's optimizer state is the fullest layer-wise rank's (the one
+    with the embedding: 0.917 GiB, planner-xcheck §1), not a 36th of the whole (0.119); the project's
+    padded all-gather after the step is 37 parts of that rank's elements (the note's 5.7 GiB for
+    36; megatron-core's own, unpadded, about 1.0), which under full recompute with offload exceeds
+    the activations and so sets the peak."""
+    plan = make_plan(_recipe("fbt_1b_100b"), 72, GPUS["h100"])
+    est, stage = plan.memory["plain"], plan.stages[0]
+    assert est.terms["transients"] == 2 * 8192 * V / 2
+    assert est.terms["optimizer"] / 2**30 == pytest.approx(0.917, rel=0.01)
+    gather = memory.layer_wise_all_gather(stage, plan.layout)
+    assert gather / 2**30 == pytest.approx(5.7 * 37 / 36, rel=0.02) and stage.params * 2 / 2**30 == pytest.approx(1.0, rel=0.01)
+    offloaded = plan.memory["full recompute + offload"]
+    assert offloaded.terms["transients"] == pytest.approx(gather - offloaded.terms["activations"]) and offloaded.terms["transients"] > est.terms["transients"]
+    for name, nodes, optimizer in (("fbt_1b_100b", 1, 1.72), ("longctx_32k", 1, 1.72)):  # DP 4; DP 2 × CP 2
+        plan = make_plan(_recipe(name), 8 * nodes, GPUS["h100"])
+        assert plan.memory[plan.chosen].terms["optimizer"] / 2**30 == pytest.approx(optimizer, rel=0.01)
+
+
+# What FBT's layer keeps under Transformer Engine, counted tensor by tensor from megatron-core 0.16.1 and the
+# project's code by an independent cross-check (../shared/notes/planner-xcheck.md §2-3; no GPU ran): bytes per
+# token of one layer at bf16, TP 2 + SP (D-wide tensors 9,216, attention 8,448 + 136 in fp32, MLP 33,280), and
+# GiB per GPU on H100s (§3, "ours": with the transients where it gives them, else without).
+XCHECK_LAYER_BYTES = 51_080
+XCHECK_GIB = {  # (recipe, nodes, flags): (GiB, with transients)
+    ("fbt_1b_100b", 9, ()): (37.5, True), ("fbt_1b_100b", 1, ()): (38.3, True),
+    ("fbt_1b_100b", 9, (("model", "recompute_passes", True),)): (15.7, True), ("baseline_1b_100b", 9, ()): (15.6, True),
+    ("longctx_32k", 1, ()): (28.3, True), ("longctx_32k", 2, ()): (27.8, True),
+    ("longctx_32k", 1, (("parallel", "context_parallel_size", 1),)): (51.8, True),
+    ("longctx_32k", 1, (("model", "recompute_passes", False), ("model", "offload_recompute_inputs", False))): (71.9, True),
+    ("sft", 1, ()): (55.0, True), ("sft", 2, ()): (54.5, True),
+    ("sft", 1, (("model", "recompute_passes", False),)): (148.6, False), ("sft", 1, (("training", "micro_batch_size", 4),)): (100.8, False),
+}
+
+
+def test_te_layer_matches_an_independent_tensor_count():
+    """Bytes per token of one fbt-1b layer under Transformer Engine at 8K, bf16, TP 2 + SP, against
+    the cross-check's count (not fitted), within 1%: its own uncertainty is whether TE copies Q/K/V
+    contiguous, ±5% of the attention part (8,448 bytes), under 1% of the layer."""
+    config = make_plan(_recipe("fbt_1b_100b"), 8, GPUS["h100"]).config
+    te_8k = memory.Layout(tp=2, sequence_parallel=True, seq_length=8192, half=True, transformer_engine=True)
+    assert memory.layer_activations(config, te_8k) / 8192 == pytest.approx(XCHECK_LAYER_BYTES, rel=0.01)
+
+
+@pytest.mark.parametrize("case", sorted(XCHECK_GIB, key=str))
+def test_te_plans_match_an_independent_tensor_count(case):
+    """The per-recipe figures of the same count (the layers, logits, fusion, the fullest layer-wise
+    rank's optimizer state, the transients), within 2%. Refused plans are planned here on a larger
+    device."""
+    name, nodes, flags = case
+    fields = {}
+    for section, key, value in flags:
+        fields.setdefault(section, {})[key] = value
+    plan = make_plan(_recipe(name, **fields), 8 * nodes, gpu_memory_gb=1000)
+    est = plan.memory[plan.chosen]
+    expected, with_transients = XCHECK_GIB[case]
+    total = est.total - (0 if with_transients else est.terms["transients"])
+    assert total / 2**30 == pytest.approx(expected, rel=0.02), est.terms
+
+
+def test_the_plan_names_the_cp_communication_type():
+    """The type ``config.windowed_cp_comm_type`` gives the run: TE's a2a where a TP rank's 8 heads and
+    4 KV groups divide by CP, else all_gather; no type at CP 1."""
+    from fbt_megatron.model.config import windowed_cp_comm_type
+
+    plan = make_plan(_recipe("longctx_32k"), 8, GPUS["h100"])  # TP 2 × CP 2
+    assert plan.cp_comm_type == windowed_cp_comm_type(plan.recipe.model_config()) == "a2a"
+    assert "CP 2 over a2a × DP 2" in format_plan(plan)
+    wide = make_plan(_recipe("longctx_32k", parallel=dict(context_parallel_size=8)), 16, GPUS["h100"])  # 4 groups, CP 8
+    assert wide.cp_comm_type == "all_gather" and "CP 8 over all_gather × DP 1" in format_plan(wide)
+    assert make_plan(_recipe("fbt_1b_100b"), 8, GPUS["h100"]).cp_comm_type is None
+
+
+@pytest.mark.parametrize("name, seq, gpus, megatron", [("fbt_1b_100b", 8192, 72, 8.1726e9), ("longctx_32k", 32768, 8, 13.608e9),
+                                                       ("fbt_1b_100b", 4096, 8, 7.2666e9)])
+def test_mfu_is_reported_beside_megatrons_formula(name, seq, gpus, megatron):
+    """Megatron-LM's num_floating_point_operations per token (every layer full causal attention, no
+    windows) at k = 1, the cross-check's figures (§4); the plan prints the log's MFU over its wall
+    time and the same run's MFU by Megatron's formula (×1.115 at 8K, ×1.64 at 32K)."""
+    from fbt_megatron.launch.plan.timing import megatron_flops_per_token
+
+    plan = make_plan(_recipe(name, data=dict(seq_length=seq)), gpus, GPUS["h100"])
+    assert megatron_flops_per_token(plan.config, seq) == pytest.approx(megatron, rel=1e-4)
+    assert plan.logged_mfu == pytest.approx(0.4 * plan.time["model FLOPs"] / plan.train_seconds)
+    assert plan.megatron_mfu / plan.logged_mfu == pytest.approx(plan.flops_megatron / plan.flops_expected)
+    assert plan.flops_megatron / plan.flops_expected == pytest.approx(megatron / plan.flops_single, rel=0.01)
+    assert f"{plan.megatron_mfu:.1%} by Megatron-LM's formula" in format_plan(plan)
 
 
 PAPER_ON_8X8 = (  # fbt_1b_100b on 8 nodes x 8 GPUs at TP 2: DP 32; 36 x 339,085 sequences = 32 x 381,470.6 = 64 x 190,735.3

@@ -47,6 +47,57 @@ def test_bad_model_config_is_one_clear_error():
         make_config("tiny", prefix_mixin_prob=2.0)
 
 
+def _init_on_a_gpu_node(monkeypatch, gpus: int, local_rank: int, timeout_s: int) -> dict:
+    """``platform.init_distributed`` as a rank under torchrun or srun on a GPU node whose process
+    sees ``gpus`` GPUs, torch.distributed and megatron-core's groups stood in: what each was given."""
+    from megatron.core import parallel_state
+
+    given = {}
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    monkeypatch.setattr(platform, "_timeout", platform._timeout)  # restored after the test
+    monkeypatch.setattr(platform, "seed", lambda value: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: given.setdefault("device", index))
+    monkeypatch.setattr(platform.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(platform.dist, "init_process_group", lambda backend, timeout: given.update(backend=backend, timeout=timeout))
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kwargs: given.update(megatron=kwargs))
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    platform.init_distributed(timeout_s=timeout_s)
+    return given
+
+
+@pytest.mark.parametrize("gpus,local_rank,device", [(8, 3, 3), (1, 3, 0), (4, 5, 1)])
+def test_each_rank_takes_a_gpu_it_sees(monkeypatch, gpus, local_rank, device):
+    """torchrun (every GPU of the node visible): local rank 3 takes GPU 3. Slurm binding one GPU
+    per task (``--gpus-per-task=1``): the task sees one GPU, device 0; ``set_device(3)`` there is
+    "invalid device ordinal"."""
+    assert _init_on_a_gpu_node(monkeypatch, gpus, local_rank, 600)["device"] == device
+
+
+def test_the_process_groups_outlast_the_hang_watchdog(monkeypatch):
+    """With the defaults (groups 10 minutes, watchdog 30) NCCL's own timeout would end a hang first:
+    an abort (exit 134 on Slurm) without the watchdog's stacks and one line. The groups get the
+    watchdog's timeout plus the time it takes to report and end the run; a longer
+    ``--distributed-timeout-minutes`` is kept, and without a watchdog the flag holds. The run's gloo
+    groups made later (the stop check's) get the same timeout, not gloo's 30 minutes."""
+    import datetime
+
+    from fbt_megatron.recipe import TrainingSection
+    from fbt_megatron.trainer.callbacks.watchdog import CHECK_S, FIRES_WITHIN_S, GRACE_S, collective_timeout_s
+
+    defaults = TrainingSection.__dataclass_fields__
+    flag, hang = defaults["distributed_timeout_minutes"].default, defaults["hang_timeout_minutes"].default
+    timeout_s = collective_timeout_s(flag, hang)
+    assert timeout_s == 60 * hang + FIRES_WITHIN_S > 60 * hang + CHECK_S + GRACE_S and timeout_s > 60 * flag
+    assert collective_timeout_s(60, hang) == 3600 and collective_timeout_s(flag, 0) == 60 * flag
+    given = _init_on_a_gpu_node(monkeypatch, 8, 0, timeout_s)
+    assert given["backend"] == "nccl" and given["timeout"] == datetime.timedelta(seconds=timeout_s)
+    assert given["megatron"]["distributed_timeout_minutes"] * 60 >= timeout_s  # megatron-core's groups, gloo ones included
+    assert platform.collective_timeout() == given["timeout"]
+
+
 _RANK_PRINTS = """
 import sys
 from fbt_megatron.common import platform

@@ -115,10 +115,41 @@ def test_context_parallel_with_windows_gets_a_type_transformer_engine_accepts(tp
         r.model_overrides["cp_comm_type"] = asked
     if chosen in ("a2a", "all_gather"):
         r.validate(world_size=tp * 2, this_machine=False)
-        assert r.context_parallel_config().cp_comm_type == chosen
+        assert r.model_config().cp_comm_type == chosen
     else:
         with pytest.raises(RecipeError, match=chosen):
             r.validate(world_size=tp * 2, this_machine=False)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [({"fp8": "hybrid", "fp8_recipe": "delayed", "recompute_passes": True}, "fp8_recipe delayed with recompute_passes"),
+     ({"fp8": "hybrid", "fp8_recipe": "delayed"}, "needs fp8_amax_compute_algo max and fp8_amax_history_len >= 48"),
+     ({"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_amax_compute_algo": "max", "fp8_amax_history_len": 47},
+      "fp8_amax_history_len >= 48 \\(got max, 47\\)"),
+     ({"disable_parameter_transpose_cache": False}, "TE would overwrite the fused passes' weight gradients"),
+     ({"fp8": "hybrid"}, "model.fp8 hybrid needs Transformer Engine")],
+)
+def test_transformer_engine_settings_that_break_k_passes_are_refused(overrides, message):
+    """``model.te_calls``: the TE state k passes need (tiny_cpu: up to k = 3), FP8 only with TE."""
+    r = load_recipe(str(RECIPES / "tiny_cpu.yaml"))
+    r.model_overrides.update(overrides)
+    with pytest.raises(RecipeError, match=message):
+        r.validate()
+
+
+def test_k_passes_get_transformer_engines_safe_defaults():
+    """Unset: the transpose cache off with latent feedback (megatron then passes
+    is_first_microbatch=None: TE always accumulates), current scaling under FP8 (off a GPU:
+    Hopper's tensorwise); delayed scaling with a max history of 16 calls per pass is taken; a
+    baseline keeps megatron-core's default."""
+    fbt, base = load_recipe(str(RECIPES / "tiny_cpu.yaml")), load_recipe(str(RECIPES / "tiny_cpu_baseline.yaml"))
+    fbt.model_overrides["fp8"] = "hybrid"
+    config = fbt.model_config()
+    assert config.disable_parameter_transpose_cache and config.fp8_recipe == "tensorwise"
+    assert not base.model_config().disable_parameter_transpose_cache
+    fbt.model_overrides.update(fp8_recipe="delayed", fp8_amax_compute_algo="max", fp8_amax_history_len=48)
+    fbt.validate(this_machine=False)
 
 
 def test_bad_flag_value_is_refused():

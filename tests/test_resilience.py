@@ -18,7 +18,9 @@
   leaves it (the waiting rank issued its collective asynchronously and waits outside any
   ``torch.distributed`` call): only the stuck rank is named, as the flight recorder's own record
   agrees; ``freeze@3:0`` (rank 0 holds the interpreter: no stacks) is named by its missing file,
-  and rank 1 writes ``exit_status.json``.
+  and rank 1 writes ``exit_status.json``. Point-to-point operations are counted per pair of ranks
+  and left out of the groups' collectives (gloo counts them there, NCCL does not), so ``hang@3:1``
+  at PP 2 names the last stage from the pair's counts.
 * A Slurm job's attempts and retry budget (``launch/attempts.py``) against stand-ins for
   scontrol and sinfo; the real Slurm: tests/test_slurm.py.
 """
@@ -226,11 +228,32 @@ def test_the_stuck_rank_is_the_one_behind_on_a_group_whatever_python_is_doing():
     assert diagnose({0: report(dp=7), 1: report(dp=7)}, 2) == ([0, 1], [], [], None)
 
 
-def _hang(tmp_path, small_corpus, fault: str, each=None) -> dict:
+@pytest.mark.slow
+@pytest.mark.parametrize("simulated", ["0", "1"])
+def test_point_to_point_is_counted_per_pair_and_left_out_of_the_groups_collectives(tmp_path, monkeypatch, simulated):
+    """tests/distributed/p2p_worker.py: 2 ranks issue 4 point-to-point operations (one blocking, a
+    batch of two, one asynchronous) and one all-reduce. Each reports 4 operations on its pair, a
+    group of two, and one collective more on the default group and none on any other: gloo counts
+    each point-to-point operation among its collectives, NCCL does not (its ``seqP2P_`` is apart),
+    so the report leaves them out there on every backend and a pipeline's hang is named from the
+    pair's counts (on the simulated device too: its groups are gloo underneath)."""
+    monkeypatch.setenv("FBT_SIMULATED_DEVICE", simulated)
+    code = run_ranks([Path(__file__).parent / "distributed" / "p2p_worker.py", tmp_path], 2, tmp_path / "p2p.log")
+    assert code == 0, (tmp_path / "p2p.log").read_text()[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        before, after = report["before"], report["after"]
+        assert after.pop("p2p 0-1") == {"group": "point-to-point 0-1", "ranks": [0, 1], "issued": 4}, after
+        assert set(after) == set(before) and "p2p 0-1" not in before
+        moved = {after[key]["group"]: after[key]["issued"] - before[key]["issued"] for key in after}
+        assert moved == {**dict.fromkeys(moved, 0), "default_pg": 1}, moved
+
+
+def _hang(tmp_path, small_corpus, fault: str, each=None, layout=()) -> dict:
     """2 forked ranks of the tiny run with ``fault`` and the watchdog at HANG_MINUTES: the exit code
     (the first failure's; with ``each``: every rank's, none stopped), the output, the one line."""
     flags = [*RUN, "--data-path", Path(small_corpus.train_prefix).parent, "--corpus", "null", "--save", tmp_path / "run",
-             "--inject-fault", fault, "--hang-timeout-minutes", HANG_MINUTES]
+             "--inject-fault", fault, "--hang-timeout-minutes", HANG_MINUTES, *layout]
     code = run_ranks(["-m", "fbt_megatron.train", "--recipe", TINY, *map(str, flags)], 2, tmp_path / "run.log", each=each)
     log = (tmp_path / "run.log").read_text()
     lines = [line for line in log.splitlines() if line.startswith("hang: ")]
@@ -253,6 +276,24 @@ def test_rank_0_stuck_is_named_from_the_device_groups_and_both_ranks_exit_124(tm
                      run["line"]), run["line"]
     assert run["status"] == {"reason": "hang", "step": 2, "train_iters": 10, "checkpoint": "iter_0000002", "stuck_ranks": [0]}
     print(f"\nhang@3:0 on the simulated device, both ranks exit {each}: {run['line']}")
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_stuck_is_named_from_its_point_to_point_count(tmp_path, small_corpus, monkeypatch):
+    """``hang@3:1`` at PP 2 on the simulated device: rank 1, the last stage, stops before step 3;
+    rank 0 sends it the step's activations and waits for their gradients. Nothing but those sends
+    and receives tells the two apart (the groups' collectives are equal: counted apart from the
+    point-to-point operations, as NCCL counts them), so rank 1 is named from the pair's counts."""
+    monkeypatch.setenv("FBT_SIMULATED_DEVICE", "1")
+    each = []
+    run = _hang(tmp_path, small_corpus, "hang@3:1", each, layout=["--pipeline-model-parallel-size", "2"])
+    assert each == [HANG_EXIT, HANG_EXIT], run["log"][-3000:]
+    on = f" on {platform.node_name()}"
+    assert re.search(rf"\): rank 1{on} stuck outside a collective \(fbt_megatron/trainer/callbacks/faults.py:\d+ in start_step; "
+                     rf"(\d+) collectives issued on point-to-point 0-1, rank 0 (\d+)\); rank 0{on} waiting in a collective; ",
+                     run["line"]), run["line"]
+    assert run["status"]["stuck_ranks"] == [1]
+    print(f"\nhang@3:1 at PP 2 on the simulated device: {run['line']}")
 
 
 @pytest.mark.slow

@@ -93,6 +93,7 @@ def wait_until(condition, what: str, timeout: float = 300):
 
 
 PAPER_CHAIN = ["fbt_1b_100b", "longctx_32k", "sft"]  # the README's chain
+EVERY_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'  # srun: one task per node
 IMAGE = "/shared/images/fbt-megatron+26.06.sqsh"  # the project's image (docs/gpu.md#the-container)
 STOCK = "nvcr.io/nvidia/pytorch:26.06-py3"  # NVIDIA's, as it ships
 BAD = {  # the one line a mistake gets: (the line contains, the command after "submit")
@@ -105,12 +106,19 @@ BAD = {  # the one line a mistake gets: (the line contains, the command after "s
     "--chain sets each stage's": ["--chain", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--", "--save", "x"],
     "--env NCCL_DEBUG: expected NAME=VALUE": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
                                               "--env", "NCCL_DEBUG"],
+    "--socket-ifname 'ib0 eth0': network interface names, comma-separated": [
+        "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--socket-ifname", "ib0 eth0"],
     "--no-exclusive: give --cpus-per-task": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
                                             "--no-exclusive"],
     "--container-mounts: mounts are for --container-image": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0",
                                                              "--time", "01:00:00", "--container-mounts", "/data:/data"],
     "--stage-args sft: no such stage": ["--chain", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
                                         "--stage-args", "sft=--train-iters 3"],
+    "--rdzv-join-timeout 0: give 1 or more seconds": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time",
+                                                      "01:00:00", "--rdzv-join-timeout", "0"],
+    "--rdzv-join-timeout: the rendezvous of --launch torchrun; --launch tasks has none": [
+        "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--launch", "tasks",
+        "--rdzv-join-timeout", "900"],
 }
 
 
@@ -148,7 +156,16 @@ def dry_runs(tmp_path_factory):
     cases = {
         "torchrun": [*tiny, "--", "--train-iters", "7", "--micro-batch-size", "2"],
         "tasks": [*tiny, "--launch", "tasks", "--exit-margin", "10", "--no-exclusive", "--cpus-per-task", "12",
-                  "--", "--micro-batch-size", "2"],
+                  "--socket-ifname", "ib0,ib1", "--", "--micro-batch-size", "2"],
+        "sockets": ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "01:00:00",
+                    "--socket-ifname", "ib0,ib1", "--runs-root", str(tmp / "runs" / "sockets"), "--log-dir", str(tmp / "logs"),
+                    "--dry-run"],
+        "join timeout": ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "01:00:00",
+                         "--rdzv-join-timeout", "2400", "--runs-root", str(tmp / "runs" / "join"), "--log-dir", str(tmp / "logs"),
+                         "--dry-run"],
+        "cpu image": ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "01:00:00",
+                      "--container-image", IMAGE, "--runs-root", str(tmp / "runs" / "cpu-image"), "--log-dir", str(tmp / "logs"),
+                      "--dry-run"],
         "missing data": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--dry-run",
                          "--", "--train-data-path", f"[{tmp / 'missing'}]", "--tokenizer-model", str(data["tokenizer"])],
         "paper chain": chain,
@@ -201,8 +218,8 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
                      "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}", "export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}",
                      "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}$" "{PYTHONPATH:+:$PYTHONPATH}",
                      'srun --cpus-per-task="$CPUS_PER_TASK"', 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK"',
-                     f'srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" python {ROOT}/fbt_megatron/launch/slurm/image_check.py '
-                     f"--image {IMAGE} --gpu 2>&1 | grep -v", "[[ ${PIPESTATUS[0]} != 2 ]] || exit 2"]:
+                     f'srun {EVERY_NODE} "${{CONTAINER[@]}}" python {ROOT}/fbt_megatron/launch/slurm/image_check.py '
+                     f"--image {IMAGE} --gpus 4 2>&1 |\n    grep -vE", "[[ ${PIPESTATUS[0]} != 2 ]] || { remove_containers; exit 2; }"]:
             assert line in script, line
         assert script.index("image_check.py") < script.index('"${ATTEMPTS[@]}" start')  # the first step, before any attempt
         assert script.index("#SBATCH --qos=high") < script.index("set -uo pipefail")  # extra lines among the directives
@@ -210,6 +227,10 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
     assert "#SBATCH --exclusive" in torchrun and "--cpus-per-task=" not in torchrun.split("set -uo")[0]
     assert "CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-$((SLURM_CPUS_ON_NODE / 1))}" in torchrun  # the node's CPUs to torchrun
     assert "#SBATCH --cpus-per-task=12" in tasks and "#SBATCH --exclusive" not in tasks
+    # --socket-ifname: gloo's and NCCL's interfaces (NCCL's exactly these: "="), after the NCCL defaults; --env wins
+    [sockets] = scripts(cases["sockets"][1]).values()
+    assert sockets.index("NCCL_DEBUG") < sockets.index("export GLOO_SOCKET_IFNAME=ib0,ib1\nexport NCCL_SOCKET_IFNAME==ib0,ib1\n")
+    assert "export GLOO_SOCKET_IFNAME=ib0,ib1\nexport NCCL_SOCKET_IFNAME=ib0\n" in tasks and "GLOO_SOCKET_IFNAME" not in torchrun
     assert "#SBATCH --ntasks-per-node=1" in torchrun and "LAUNCH=torchrun" in torchrun and "PROCS_PER_NODE=4" in torchrun
     assert "STOP_TIMEOUT=160" in torchrun and '-m fbt_megatron.slurm torchrun \\\n        --stop-timeout "$STOP_TIMEOUT" ' in torchrun
     assert "export CUDA_DEVICE_MAX_CONNECTIONS" not in torchrun + tasks  # TP 1, CP 1
@@ -277,8 +298,8 @@ def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_th
         plans[case] = [line for line in output.splitlines() if ": plan: " in line]
         assert [line.split(":")[0] for line in plans[case]] == PAPER_CHAIN
         checks = {name: re.search(r"image_check.py (.*) 2>&1", jobs[name])[1] for name in PAPER_CHAIN}
-        assert checks == {"fbt_1b_100b": f"--image {IMAGE} --gpu", "longctx_32k": f"--image {IMAGE} --gpu --context-parallel",
-                          "sft": f"--image {IMAGE} --gpu"}, checks  # context parallelism: Transformer Engine attention
+        assert checks == {"fbt_1b_100b": f"--image {IMAGE} --gpus 8", "longctx_32k": f"--image {IMAGE} --gpus 8 --context-parallel",
+                          "sft": f"--image {IMAGE} --gpus 8"}, checks  # context parallelism: Transformer Engine attention
         connections = {name: re.search(r"^export CUDA_DEVICE_MAX_CONNECTIONS=(.*)$", jobs[name], flags=re.M)[1] for name in PAPER_CHAIN}
         assert connections == {name: f"${{CUDA_DEVICE_MAX_CONNECTIONS:-1}}  # TP 2, CP {cp}" for name, cp in
                                zip(PAPER_CHAIN, (1, 2, 1))}, connections  # tensor (and context) parallelism: one queue
@@ -292,7 +313,7 @@ def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_th
         assert f"--train-data-path '[{data['long']}]'" in train_args["longctx_32k"]  # --stage-args: this stage's only
     assert plans["suggested"] == plans["fitted"]
     assert plans["fitted"][0].startswith("fbt_1b_100b: plan: 64 GPUs as TP 2 × PP 1 × CP 1 × DP 32; 381,471 steps × 32 × "
-                                         "8,192 tokens (100.00B); ") and " GiB per GPU estimated of 80.0; " in plans["fitted"][0]
+                                         "8,192 tokens (100.00B); ") and " GiB per GPU estimated of 77.6 usable; " in plans["fitted"][0]
     assert plans["fitted"][1].startswith("longctx_32k: plan: 64 GPUs as TP 2 × PP 1 × CP 2 × DP 16; 22,889 steps × 16 × 32,768")
     fitted = cases["fitted"][1]
     assert ("fbt_1b_100b: --fit-global-batch: global batch 36 → 32 sequences (DP 32 on 64 GPUs), --train-iters 339085 → "
@@ -334,6 +355,136 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
     if torch.version.cuda is None:
         assert "whose torch" in output and "is a CPU-only build" in output
     assert lines[-1].startswith(f"error: nothing submitted: {len(lines) - 1} problem")
+
+
+def run_bash(script: str, env: dict, path=None) -> subprocess.CompletedProcess:
+    """``script`` in ``bash -u`` with only ``env`` (and PATH: ``path`` first)."""
+    paths = [str(path)] if path else []
+    return subprocess.run(["bash", "-uc", script], env={**env, "PATH": os.pathsep.join([*paths, os.environ["PATH"]])},
+                          capture_output=True, text=True)
+
+
+def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes_what_pyxis_keeps(dry_runs, tmp_path):
+    """gpu-review-2 N10 (issue 52 item 3): both steps of an attempt run in one named container per node
+    (pyxis reuses a named container and skips the import; an unnamed one is removed after its step), so
+    each node imports the image once per attempt; the name carries the restart count, so a requeued
+    attempt never reuses a container an earlier one left. The check runs on every node of an image or
+    GPU job (there each node imports the image, before the rendezvous; a GPU job's check gets the GPUs
+    per node), on the first node of a CPU job on the host Python, as before. The rendezvous waits 1800 s
+    (--rdzv-join-timeout) for every node's torchrun. Named containers outlive the job where pyxis's
+    container_scope is global (its default): the job removes its own on its nodes (``enroot`` and
+    ``srun`` stand-ins here)."""
+    cases, _, _, _ = dry_runs
+    [torchrun], [tasks], [cpu_image] = (scripts(cases[name][1]).values() for name in ("torchrun", "tasks", "cpu image"))
+    [(join_code, join_output), (cpu_code, cpu_output)] = cases["join timeout"], cases["sockets"]
+    assert join_code == 0 and cpu_code == 0, join_output + cpu_output
+    [join], [cpu] = scripts(join_output).values(), scripts(cpu_output).values()
+    name = 'CONTAINER_NAME="fbt-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"\n'
+    for script in (torchrun, tasks, cpu_image):
+        assert name in script and f'--container-workdir={ROOT} --container-name="$CONTAINER_NAME")' in script, script
+        steps = [line for line in script.splitlines() if re.match(r"\s*(TORCH_CPP_LOG_LEVEL=ERROR )?srun ", line)]
+        # the removal (on the host), the check, the training (torchrun's or the tasks'): each in the attempt's container
+        assert ['"${CONTAINER[@]}"' in line for line in steps] == [False, True, True, True], steps
+        assert steps[1].startswith(f'srun {EVERY_NODE} "${{CONTAINER[@]}}" python '), steps
+    assert "image_check.py --image /shared/images/fbt-megatron+26.06.sqsh --gpus 4 2>&1" in torchrun + tasks
+    assert "image_check.py --image /shared/images/fbt-megatron+26.06.sqsh 2>&1" in cpu_image  # CPU nodes: imports only
+    assert '--rdzv-id="$SLURM_JOB_ID" --rdzv-conf=join_timeout=1800 \\\n' in torchrun
+    assert "--rdzv-conf=join_timeout=2400 \\\n" in join
+    for script in (cpu, join):  # the host's Python on CPU nodes: no container, the check on the first node
+        assert "CONTAINER_NAME=''\nCONTAINER=()\n" in script and "--container-name" not in script
+        assert f'srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" {sys.executable} {ROOT}/fbt_megatron/launch/slurm/image_check.py 2>&1 |' in script
+    assert torchrun.index("remove_containers\nsrun") < torchrun.index("image_check.py --image") < torchrun.index('"${ATTEMPTS[@]}" start')
+    assert torchrun.rstrip().endswith('RC=$?\n[[ -n $STOP ]] || remove_containers  # the job ends here, or a failure requeued '
+                                      'it (its steps then start no more)\nexit $RC')
+
+    # the name each attempt gets, and what the removal takes: this job's, either container_scope's, nothing else
+    header = re.search(r"^CONTAINER_NAME=.*\nCONTAINER=\(.*\)$", torchrun, flags=re.M)[0]
+    remove = re.search(r"^remove_containers\(\) \{\n.*?^\}$", torchrun, flags=re.M | re.S)[0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\necho "srun $*" >> "$CALLS"\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "enroot").write_text('#!/bin/bash\ncase $1 in list) cat "$LISTED" ;; remove) echo "$*" >> "$CALLS" ;; esac\n')
+    for tool in ("srun", "enroot"):
+        (bin_dir / tool).chmod(0o755)
+    listed = ["pyxis_fbt-4242-0", "pyxis_fbt-4242-1", "pyxis_4242_fbt-4242-1", "pyxis_fbt-42420-0", "pyxis_fbt-424-1",
+              "pyxis_4242.0", "pyxis_other", "fbt-4242-0"]
+    (tmp_path / "listed").write_text("\n".join(listed) + "\n")
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "CALLS": str(tmp_path / "calls"), "LISTED": str(tmp_path / "listed")}
+    shown = run_bash(f'{header}\nprintf "%s\\n" "${{CONTAINER[@]}}"', env)
+    assert shown.returncode == 0 and shown.stdout.splitlines()[-1] == "--container-name=fbt-4242-0", shown
+    shown = run_bash(f'{header}\nprintf "%s\\n" "${{CONTAINER[@]}}"', {**env, "SLURM_RESTART_COUNT": "2"})
+    assert shown.stdout.splitlines()[-1] == "--container-name=fbt-4242-2", shown  # a requeued attempt: a container of its own
+    removed = run_bash(f"{header}\n{remove}\nremove_containers", {**env, "SLURM_RESTART_COUNT": "2"}, bin_dir)
+    assert removed.returncode == 0 and removed.stdout + removed.stderr == "", removed
+    calls = (tmp_path / "calls").read_text().splitlines()  # srun: one task on each of the job's nodes
+    assert calls[0].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c enroot list") and calls[0].endswith(" _ fbt-4242-2")
+    assert calls[1:] == ["remove -f pyxis_fbt-4242-0", "remove -f pyxis_fbt-4242-1", "remove -f pyxis_4242_fbt-4242-1"], calls
+    (tmp_path / "calls").unlink()
+    cpu_header = re.search(r"^CONTAINER_NAME=.*\nCONTAINER=\(.*\)$", cpu, flags=re.M)[0]
+    removed = run_bash(f"{cpu_header}\n{remove}\nremove_containers", env, bin_dir)
+    assert removed.returncode == 0 and not (tmp_path / "calls").exists(), removed  # no image: no srun at all
+
+
+NO_KERNEL = "CUDA error: no kernel image is available for execution on the device"
+OLD_DRIVER = ("The NVIDIA driver on your system is too old (found version 12020). Please update your GPU driver by downloading "
+              "and installing a new version from the URL: http://www.nvidia.com/Download/index.aspx")
+KEEP_OUT = "or keep the node out of the job (--sbatch-option=--exclude=gpu017)"
+GPU_NODES = {  # (what the node's CUDA does, argv) → the check's exit code and its line (after "error: IMAGE on node gpu017 ")
+    "healthy": ({}, ["--gpus", "8"], 0, "=== environment: --container-image {image}: {versions}; 8 × NVIDIA H100 80GB HBM3 per node ==="),
+    "driver too old": ({"init": RuntimeError(OLD_DRIVER)}, ["--gpus", "8"], 2,
+                       f"cannot run this job: CUDA did not initialise (RuntimeError: {OLD_DRIVER}): the image's CUDA 13.3 needs a "
+                       f"driver that supports it (its release notes): update the node's driver, give an image built for it, {KEEP_OUT}"),
+    "a GPU missing": ({"count": 7}, ["--gpus", "8"], 2, "cannot run this job: it shows 7 GPUs where the job asked for 8 per node "
+                      f"(--gpus-per-node 8): check its GPUs (nvidia-smi), {KEEP_OUT}"),
+    "no kernel for it": ({"kernel": {3: RuntimeError(NO_KERNEL)}}, ["--gpus", "8"], 2,
+                         f"cannot run this job: a kernel on its GPU 3 failed (RuntimeError: {NO_KERNEL}): an image without this "
+                         f"GPU's architecture, or a faulty GPU: check it (nvidia-smi), {KEEP_OUT}"),
+    "a wrong sum": ({"kernel": {0: 0.0}}, ["--gpus", "8"], 2, "cannot run this job: a kernel on its GPU 0 failed (RuntimeError: "
+                    f"1 + 1 was not 2): an image without this GPU's architecture, or a faulty GPU: check it (nvidia-smi), {KEEP_OUT}"),
+    "the image's build": ({"init": RuntimeError("no GPU in docker build")}, ["--gpu"], 0, "=== environment: --container-image "
+                          "{image}: {versions} ==="),  # --gpu alone: imports only, CUDA untouched
+}
+
+
+@pytest.mark.parametrize("case", GPU_NODES)
+def test_the_image_check_on_a_gpu_node_initialises_cuda_and_counts_and_runs_the_jobs_gpus(case, monkeypatch, capsys):
+    """gpu-review-2 N10 (issue 52 item 3), as a contract on this CPU machine: on a GPU node
+    (``--gpus N``, rendered from --gpus-per-node) the check also initialises CUDA, finds the N GPUs the
+    job asked per node and runs a kernel on each — torch.cuda stood in for here. A node that cannot
+    run the training gets one ``error:`` line naming it, what was found and the fix, and exit code 2
+    (the job script ends the job there: not retried). The imports are the CPU drills' (stood in too)."""
+    from fbt_megatron.launch.slurm import image_check
+
+    node, argv, code, line = GPU_NODES[case]
+    imports = []
+    monkeypatch.setattr(image_check, "problems", lambda gpu, context_parallel: imports.append(gpu) or [])
+    monkeypatch.setattr(torch.version, "cuda", "13.3")
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu017")
+    real_ones, touched = torch.ones, []
+
+    def init():
+        if "init" in node:
+            raise node["init"]
+
+    def ones(*size, device=None, **kwargs):  # the device's tensor, on the CPU: what a kernel there computes
+        index = int(device.split(":")[1])
+        touched.append(index)
+        result = node.get("kernel", {}).get(index)
+        if isinstance(result, Exception):
+            raise result
+        return real_ones(*size, **kwargs) * (1.0 if result is None else result)
+
+    monkeypatch.setattr(torch.cuda, "init", init)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: node.get("count", 8))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch, "ones", ones)
+    assert image_check.main(["--image", IMAGE, *argv]) == code
+    out, err = capsys.readouterr()
+    expected = line.format(image=IMAGE, versions=image_check.versions()) if code == 0 else \
+        f"error: --container-image {IMAGE} on node gpu017 {line}"
+    assert (out if code == 0 else err).splitlines() == [expected] and (err if code == 0 else out) == "", (out, err)
+    assert imports == [True]  # --gpus N: what GPU nodes import (Transformer Engine, a CUDA torch) too
+    assert touched == {"healthy": list(range(8)), "no kernel for it": [0, 1, 2, 3], "a wrong sum": [0]}.get(case, []), touched
 
 
 def test_the_retry_budget_counts_failures_and_stalled_stops_but_not_slurms_requeues(tmp_path, monkeypatch, capsys):

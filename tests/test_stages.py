@@ -194,3 +194,56 @@ def test_no_load_rng_keeps_this_runs_random_streams(stages):
     assert torch.equal(torch.get_rng_state(), ours)
     checkpointing.load(source, model, optimizer, scheduler, iteration=2)
     assert not torch.equal(torch.get_rng_state(), ours)
+
+
+def test_a_checkpoint_moves_between_a_cpu_and_a_gpu_with_the_rng_streams_that_map(tmp_path, monkeypatch, capsys):
+    """A GPU's RNG states are 16 bytes (CUDA's generator, megatron's tracker streams: Philox), a
+    CPU's 5056 (Mersenne twister), so a checkpoint's RNG vector is as long as the device that saved
+    it made it; loading one of another length failed in dist-checkpointing's global-shape check
+    ("does not fit this model"). Both ways through the real save and load, a GPU's streams stood in
+    (``_rng_streams``): the default generator is restored exactly, the device's streams stay as
+    the run seeded them, one line says which; also from a checkpoint written before the streams
+    were named with it (no ``rng_parts``: its vector's length is read from the metadata)."""
+    import torch
+
+    from fbt_megatron import train
+    from fbt_megatron.trainer import build
+
+    recipe = train.parse_args(["--recipe", str(TINY), "--seq-length", "32", "--num-layers", "2"])
+    config, model, ddp = build.build_model(recipe, 256)
+    optimizer, scheduler = build.build_optimizer(recipe, config, ddp)
+    for p in model.parameters():
+        p.main_grad.zero_()
+    optimizer.step()  # the optimizer's state exists once it has stepped
+    cpu_streams, state = checkpointing._rng_streams, checkpointing._state
+    gpu = [("cuda", torch.arange(16, dtype=torch.uint8)), *((name, torch.full((16,), 7, dtype=torch.uint8))
+                                                            for name, _ in cpu_streams()[1:])]
+    as_on_a_gpu = lambda: [cpu_streams()[0], *gpu]  # noqa: E731
+    unnamed = lambda *args, **kwargs: {k: v for k, v in state(*args, **kwargs).items() if k != "rng_parts"}  # noqa: E731
+
+    def move(folder, saving, loading, old=False) -> str:
+        """Save on one device, load on the other: the warning line (the default generator restored)."""
+        torch.manual_seed(5)
+        expected = torch.get_rng_state()
+        with monkeypatch.context() as m:
+            m.setattr(checkpointing, "_rng_streams", saving)
+            if old:
+                m.setattr(checkpointing, "_state", unnamed)
+            checkpointing.save(tmp_path / folder, 1, model, optimizer, scheduler, vars(checkpointing.TrainState()))
+        torch.manual_seed(99)
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            m.setattr(checkpointing, "_rng_streams", loading)
+            checkpointing.load(tmp_path / folder, model, optimizer, scheduler)
+        assert torch.equal(torch.get_rng_state(), expected)
+        [line] = [line for line in capsys.readouterr().err.splitlines() if "RNG streams" in line]
+        return line
+
+    trackers = ", ".join(name for name, _ in cpu_streams()[1:])
+    line = move("cpu", cpu_streams, as_on_a_gpu)
+    assert f"RNG streams restored: cpu; started from --seed: cuda, {trackers} (the checkpoint's are another device's" in line
+    assert "tracker:model-parallel-rng 5056 B" in line, line
+    line = move("gpu", as_on_a_gpu, cpu_streams)
+    assert f"RNG streams restored: cpu; started from --seed: {trackers} (" in line and "cuda 16 B" in line, line
+    line = move("gpu_unnamed", as_on_a_gpu, cpu_streams, old=True)
+    assert f"started from --seed: {trackers} (" in line and "another device's streams 64 B" in line, line

@@ -10,7 +10,10 @@ Training k = 1 then k = 3 with pass recompute and the recipe's optimizer, a torc
 offline by transformers with greedy tokens equal to megatron's generate in standard, soft and
 fused(2), from-hf back bit-exact, vLLM when .venv-serve exists; peak memory against the planner.
 Flags after ``--`` go to every training stage (a job's layout on a GPU node). Prints one table and
-writes DIR/rehearsal.json; exit code 0 when every check passed, 1 when one failed (fbt_megatron/launch/rehearsal/).
+writes DIR/rehearsal.json; exit code 0 when every check ran and passed, 1 when one failed, 3 when none
+failed but a check or a stage asked for was skipped (vLLM without .venv-serve; --no-vllm does not ask for
+it); the report is the one tools/gpu_check.py writes (fbt_megatron/launch/rehearsal/report.py).
+Every stage runs with TF32 off and Transformer Engine's attention deterministic (measure.EXACT_ENV).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens per decode mode (default 8)")
     parser.add_argument("--max-shard-size", default="1GB", help="of the export's safetensors (default 1GB)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
-    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM stage (default: run it when .venv-serve exists)")
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="leave the vLLM stage out (default: run it; without .venv-serve it is skipped and the report not ok)")
     parser.add_argument("--echo", action="store_true", help="show the stages' output as it comes")
     args = parser.parse_args(own)
 
@@ -63,7 +67,7 @@ def main(argv=None) -> int:
                       vocab_size=args.vocab_size, nproc_per_node=args.nproc_per_node, reshard_tp=args.reshard_tp,
                       max_new_tokens=args.max_new_tokens, max_shard_size=args.max_shard_size, train_flags=train_flags,
                       threads=args.threads, vllm=not args.no_vllm, echo=args.echo)
-    return 0 if rehearse(options).ok() else 1
+    return rehearse(options).exit_code()
 
 
 if __name__ == "__main__":

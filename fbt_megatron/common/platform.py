@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from fbt_megatron.common import compat, megatron_fixes, processes, simulated_device
 
 _installed = False
+_timeout = datetime.timedelta(minutes=10)  # the process groups' (init_distributed); torch's NCCL default until then
 
 
 def on_gpu() -> bool:
@@ -68,10 +69,11 @@ def generator(device) -> torch.Generator:
 
 
 def have_transformer_engine() -> bool:
-    """True when Transformer Engine's PyTorch modules import on a CUDA machine. The top-level
-    ``transformer_engine`` imports without them (its ``__init__`` does not load ``.pytorch``), so a
-    TE built against another torch would pass that and fail in megatron-core's TE spec."""
-    if not on_gpu():
+    """True when Transformer Engine's PyTorch modules import on a CUDA machine, or on the simulated
+    device (whose TE is the tests' double, ``tests/doubles``). The top-level ``transformer_engine``
+    imports without them (its ``__init__`` does not load ``.pytorch``), so a TE built against
+    another torch would pass that and fail in megatron-core's TE spec."""
+    if not (on_gpu() or simulated()):
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -252,17 +254,18 @@ def init_distributed(
     and megatron-core's parallel state, then seed. The one entry point every process calls."""
     from megatron.core import parallel_state
 
+    global _timeout
     install()
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
+        _timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:  # torchrun / srun with the env:// variables
             _whole_lines()
             if on_gpu():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend(), timeout=timeout)
+                torch.cuda.set_device(local_device_index())
+            dist.init_process_group(backend(), timeout=_timeout)
         else:  # launched alone: a group of one on a private port
             init = f"tcp://127.0.0.1:{_free_port()}"
-            dist.init_process_group(backend(), init_method=init, rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend(), init_method=init, rank=0, world_size=1, timeout=_timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
@@ -271,6 +274,21 @@ def init_distributed(
             distributed_timeout_minutes=max(1, -(-timeout_s // 60)),
         )
     seed(seed_value)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The process groups' timeout ``init_distributed`` gave torch.distributed and megatron-core's
+    groups, for a group made later: torch gives a gloo group its own default (30 minutes) whatever
+    the default group's is."""
+    return _timeout
+
+
+def local_device_index() -> int:
+    """This process's GPU among those it sees: ``LOCAL_RANK`` modulo their number. Under torchrun, or
+    Slurm tasks that each see the node's GPUs, that is ``LOCAL_RANK``; where Slurm binds one GPU per
+    task (``--gpus-per-task=1``, ``--gpu-bind``; a cluster default on some), each task sees one GPU,
+    device 0, and ``LOCAL_RANK`` itself would be an invalid device ordinal."""
+    return int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
 
 
 def _whole_lines() -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from fbt_megatron.common import platform
+from fbt_megatron.model import te_calls
 
 
 @dataclass
@@ -60,6 +61,14 @@ class FBTConfig(TransformerConfig):
     """Keep what activation recompute saves (pass inputs; layer inputs under full recompute) in
     pinned host memory from forward to backward (``fbt_megatron.model.offload``)."""
 
+    # --- Transformer Engine's per-call state under k passes (``fbt_megatron.model.te_calls``)
+    disable_parameter_transpose_cache: Optional[bool] = None
+    """None: on with latent feedback (TE then always accumulates weight gradients and quantizes
+    weights at every call; with the weight cache, pass 1 overwrites passes 2..k's gradients)."""
+    fp8_recipe: Optional[Literal["tensorwise", "delayed", "mxfp8", "blockwise", "custom"]] = None
+    """Under ``fp8``; None: tensorwise (current scaling), mxfp8 on Blackwell; delayed is refused
+    with recompute_passes and needs a long max history with k > 1."""
+
     def __post_init__(self):
         if self.depth_scale is None:
             self.depth_scale = 1.0 / math.sqrt(2 * self.num_layers)
@@ -75,6 +84,7 @@ class FBTConfig(TransformerConfig):
             raise ValueError(f"prefix_mixin_prob must be in [0, 1], got {self.prefix_mixin_prob}")
         if not 0.0 < self.prefix_mixin_max_fraction <= 1.0:
             raise ValueError("prefix_mixin_max_fraction must be in (0, 1]")
+        te_calls.settle(self)
         super().__post_init__()
         full_uniform = self.recompute_granularity == "full" and self.recompute_method == "uniform"
         if self.offload_recompute_inputs and not (self.recompute_passes or full_uniform):

@@ -93,9 +93,10 @@ def prefix_lengths(config, sequence_seeds: List[int], pass_index: int, seq_len: 
 
 
 def fuse_mask(prefix: torch.Tensor, seq_len: int, device) -> torch.Tensor:
-    """[s, b] bool, True at 1-based positions t ≥ 2 with t > p."""
-    positions = torch.arange(seq_len).unsqueeze(1)  # 0-based index = t − 1
-    return (positions >= prefix.clamp(min=1).unsqueeze(0)).to(device)
+    """[s, b] bool, True at 1-based positions t ≥ 2 with t > p (made on ``device``: only the b
+    prefix lengths, drawn on the host, are copied)."""
+    positions = torch.arange(seq_len, device=device).unsqueeze(1)  # 0-based index = t − 1
+    return positions >= prefix.clamp(min=1).to(device).unsqueeze(0)
 
 
 def jitter(config, sequence_seeds: List[int], pass_index: int, shape, device, dtype) -> torch.Tensor:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
-from megatron.core import tensor_parallel
+
+from fbt_megatron.model.te_calls import checkpoint
 
 
 @dataclass
@@ -172,15 +173,3 @@ def recomputed_pass(config, forward: Callable, embeddings, labels, received, bac
     with offloading(config, recomputed=True, keep=held):
         return checkpoint(config, forward, embeddings, labels, received)
 
-
-def checkpoint(config, forward: Callable, *args):
-    """Activation checkpointing as megatron-core's TransformerBlock chooses it: Transformer Engine's
-    under FP8 (only it marks the recompute, so that the recomputed forward quantizes with the scales
-    of the first and does not update the delayed-scaling amax history twice), megatron's otherwise."""
-    if config.fp8 or config.fp4:
-        from megatron.core import parallel_state
-        from megatron.core.extensions.transformer_engine import te_checkpoint
-
-        return te_checkpoint(forward, False, tensor_parallel.get_cuda_rng_tracker,
-                             parallel_state.get_tensor_model_parallel_group(check_initialized=False), *args)
-    return tensor_parallel.checkpoint(forward, False, *args)

@@ -44,9 +44,9 @@ class SequenceLayout:
     """The rows of a [s_local, b, h] activation: their global positions and the group sharing the sequence."""
 
     seq_length: Optional[int] = None  # None: as long as the tensors given
-    positions: Optional[torch.Tensor] = None  # [s_local] global positions of the local rows
+    positions: Optional[torch.Tensor] = None  # [s_local] global positions of the local rows (on the device)
     group: Optional[dist.ProcessGroup] = None  # None: this rank holds the whole sequence
-    halo: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # see `_halo_plan`
+    halo: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # see `_halo_plan` (on the device)
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
         """The local rows of a tensor over the whole sequence ([s, ...] → [s_local, ...])."""
@@ -103,7 +103,10 @@ def _layout(seq_length: int, sequence_parallel: bool, context_parallel: bool) ->
     dist.all_gather(gathered, on_device, group=group)
     gathered = [g.cpu() for g in gathered]
     width = 2 if cp_size > 1 else 1
-    return SequenceLayout(seq_length, positions, group, _halo_plan(gathered, group.rank(), width))
+    # the index tensors kept on the device: a copy from pageable host memory at every pass (2 in
+    # ``local``, 3 in ``shift``) would be a blocking copy each, the host waiting for the GPU
+    halo = tuple(x.to(platform.device()) for x in _halo_plan(gathered, group.rank(), width))
+    return SequenceLayout(seq_length, on_device, group, halo)
 
 
 def sequence_layout(config, seq_length: int) -> SequenceLayout:

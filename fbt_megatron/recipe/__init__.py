@@ -115,7 +115,8 @@ class TrainingSection:
     holding the interpreter (it writes nothing), slow@ adds 1 s to each of 10 steps (a straggler);
     spike@STEP scales the step's loss and gradients up (fbt_megatron/trainer/callbacks/faults.py)."""
     distributed_timeout_minutes: int = 10
-    """Timeout of the process groups' collectives (torch.distributed), minutes."""
+    """Timeout of the process groups' collectives (torch.distributed), minutes; raised to the hang
+    watchdog's timeout plus 2 minutes when that is later, so the watchdog names a hang first."""
     hang_timeout_minutes: float = 30.0
     """No step progress for this long (step, validation and checkpoint included): every rank writes its
     Python stacks to <save>/hang/ and the run exits 124, which a Slurm job restarts (0: no watchdog)."""
@@ -415,9 +416,10 @@ class Recipe:
             phases.append((step, mixture))
         return phases
 
-    def context_parallel_config(self):
-        """The model's config at this recipe's TP / SP / CP: under CP, Transformer Engine's communication
-        type is chosen there (``config.windowed_cp_comm_type``); a type TE refuses is a RecipeError."""
+    def model_config(self):
+        """The model's config at this recipe's TP / SP / CP (under CP, Transformer Engine's
+        communication type is chosen there: ``config.windowed_cp_comm_type``); a model field the
+        config refuses is a RecipeError."""
         from fbt_megatron.model.config import recipe_config
 
         p = self.parallel
@@ -426,6 +428,20 @@ class Recipe:
                                  sequence_parallel=p.sequence_parallel, context_parallel_size=p.context_parallel_size)
         except ValueError as e:
             raise RecipeError(f"model: {e}") from None
+
+    def _validate_model(self, this_machine: bool) -> None:
+        """The model's config builds, its FP8 settings hold for the schedule's largest k
+        (``model.te_calls``), and FP8 has Transformer Engine on this machine."""
+        from fbt_megatron.model import te_calls
+
+        config = self.model_config()
+        try:
+            te_calls.check_pass_count(config, max(k for _, mixture in self.pass_phases() for k in mixture))
+        except ValueError as e:
+            raise RecipeError(f"model: {e}") from None
+        if config.fp8 and this_machine and not platform.have_transformer_engine():
+            raise RecipeError(f"model.fp8 {config.fp8} needs Transformer Engine (a CUDA machine in the project's image): "
+                              "without it the GEMMs would run in full precision; drop --fp8 here")
 
     def validate(self, world_size: int = 1, this_machine: bool = True) -> None:
         """RecipeError for the first thing wrong: each section's own values, then what the sections
@@ -441,7 +457,7 @@ class Recipe:
 
         check_faults(t, world_size)
         self._validate_layout(world_size, this_machine)
-        self.pass_phases()
+        self._validate_model(this_machine)
         if this_machine:
             self._validate_machine()
 
@@ -489,7 +505,6 @@ class Recipe:
                 raise RecipeError(f"data.seq_length {seq} does not split into {chunks} equal chunks (context parallel)")
             if this_machine and not platform.have_transformer_engine():
                 raise RecipeError("parallel.context_parallel_size > 1 needs Transformer Engine attention (a CUDA machine with the GPU extras)")
-            self.context_parallel_config()
 
 
 def at_least_one(section: str, obj, *names: str) -> None:

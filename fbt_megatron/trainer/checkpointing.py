@@ -51,7 +51,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -136,32 +136,63 @@ class TrainState:
         self.skipped_steps = skipped_steps
 
 
-def _rng_state() -> torch.Tensor:
-    """This rank's RNG streams as one uint8 vector: the default generator, the device one (GPU)
-    and megatron's tracker streams (dropout in TP regions), in a fixed order."""
-    parts = [torch.get_rng_state()]
+def _rng_streams() -> List[Tuple[str, torch.Tensor]]:
+    """This rank's RNG streams by name, in a fixed order: the default generator, the device one (GPU)
+    and megatron's tracker streams (dropout in TP regions). Their states' sizes depend on the device:
+    a CUDA generator's is 16 bytes (Philox seed and offset), a CPU one's 5056 (Mersenne twister; the
+    tracker's streams on a CPU: ``platform``), so a CPU and a GPU write RNG vectors of other lengths."""
+    streams = [("cpu", torch.get_rng_state())]
     if torch.cuda.is_available():
-        parts.append(torch.cuda.get_rng_state())
+        streams.append(("cuda", torch.cuda.get_rng_state()))
     tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
-    parts += [tracker[name] for name in sorted(tracker)]
-    return torch.cat([p.cpu() for p in parts])
+    return streams + [(f"tracker:{name}", tracker[name]) for name in sorted(tracker)]
 
 
-def _set_rng_state(flat: torch.Tensor) -> None:
-    offset = 0
+def _rng_state() -> torch.Tensor:
+    """This rank's RNG streams (``_rng_streams``) as one uint8 vector."""
+    return torch.cat([state.cpu() for _, state in _rng_streams()])
 
-    def take(like):
-        nonlocal offset
-        part = flat[offset : offset + like.numel()].clone()
-        offset += like.numel()
-        return part
 
-    torch.set_rng_state(take(torch.get_rng_state()))
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state(take(torch.cuda.get_rng_state()))
+def _rng_parts() -> list:
+    """``[[name, bytes], ...]``: the streams of ``_rng_state``'s vector, in its order (saved with it)."""
+    return [[name, state.numel()] for name, state in _rng_streams()]
+
+
+def _saved_rng_parts(path: Path, common: dict) -> list:
+    """The streams of a checkpoint's RNG vector: saved with it, or for a checkpoint written before
+    they were, read from the vector's length: this process's when as long, else the default
+    generator (first, the same size everywhere) and the other device's streams."""
+    if "rng_parts" in common:
+        return common["rng_parts"]
+    length = dist_checkpointing.load_tensors_metadata(str(path))["rng_state"].global_shape[-1]
+    ours = _rng_parts()
+    if length == sum(size for _, size in ours):
+        return ours
+    return [ours[0], ["another device's streams", length - ours[0][1]]]
+
+
+def _set_rng_state(path: Path, flat: torch.Tensor, parts: list) -> None:
+    """Restore this rank's streams from a checkpoint's RNG vector ``flat`` of streams ``parts``:
+    each stream saved with the size this process's has. A CPU-saved run resumed on a GPU (or the
+    other way) gets its default generator back and keeps the device's streams as this run seeded
+    them (--seed): their states do not map; one line says which."""
+    saved, offset = {}, 0
+    for name, size in parts:
+        saved[name], offset = flat[offset:offset + size], offset + size
+    ours = _rng_streams()
+    restored = {name: saved[name].clone() for name, state in ours if name in saved and saved[name].numel() == state.numel()}
+    if "cpu" in restored:
+        torch.set_rng_state(restored["cpu"])
+    if "cuda" in restored:
+        torch.cuda.set_rng_state(restored["cuda"])
     tracker = tensor_parallel.get_cuda_rng_tracker()
     states = tracker.get_states()
-    tracker.set_states({name: take(states[name]).to(states[name].device) for name in sorted(states)})
+    tracker.set_states({name: restored.get(f"tracker:{name}", state).to(state.device) for name, state in states.items()})
+    fresh = [name for name, _ in ours if name not in restored]
+    if fresh:
+        there = ", ".join(f"{name} {size} B" for name, size in parts)
+        log.warning(f"{path}: RNG streams restored: {', '.join(restored) or 'none'}; started from --seed: {', '.join(fresh)} "
+                    f"(the checkpoint's are another device's, which do not map to this one's: {there})")
 
 
 def _sharded_rng(rng: torch.Tensor) -> ShardedTensor:
@@ -180,17 +211,19 @@ def _rng_layout() -> list:
     return [parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()]
 
 
-def _state(model, optimizer, scheduler, extra: dict, loading: bool, optimizer_state: bool = True, rng: bool = True) -> dict:
-    """Everything a checkpoint holds; without an optimizer, the weights (a seed checkpoint). For
-    loading, ``optimizer_state=False`` / ``rng=False`` leave out the optimizer's state / the RNG streams."""
+def _state(model, optimizer, scheduler, extra: dict, loading: bool, optimizer_state: bool = True,
+           rng: Optional[torch.Tensor] = None) -> dict:
+    """Everything a checkpoint holds; without an optimizer, the weights (a seed checkpoint). ``rng``:
+    the RNG vector (``_rng_state``) to save, or for loading one as long as the saved one; None leaves
+    the RNG streams out. For loading, ``optimizer_state=False`` leaves out the optimizer's state."""
     model_state = model.sharded_state_dict()
     if optimizer is None:
         return {"model": model_state, "train_state": extra}
     state = {"model": model_state, "scheduler": scheduler.state_dict(), "train_state": extra}
     if optimizer_state:
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=OPTIMIZER_METADATA)
-    if rng:
-        state.update(rng_state=_sharded_rng(_rng_state()), rng_layout=_rng_layout())
+    if rng is not None:
+        state.update(rng_state=_sharded_rng(rng), rng_layout=_rng_layout(), rng_parts=_rng_parts())
     return state
 
 
@@ -288,7 +321,7 @@ def save(folder, iteration: int, model, optimizer, scheduler, extra: dict, keep_
     if background is not None:
         background.wait()
     _start(folder, tmp)
-    state = {**_state(model, optimizer, scheduler, extra, loading=False), _MANIFEST_KEY: MANIFEST}
+    state = {**_state(model, optimizer, scheduler, extra, loading=False, rng=_rng_state()), _MANIFEST_KEY: MANIFEST}
     finish = functools.partial(_finish, folder, iteration, tmp, keep_last)
     with _written(folder, tmp):
         if background is None:
@@ -637,7 +670,7 @@ def read_train_state(folder, iteration: Optional[int] = None) -> dict:
 def load(folder, model, optimizer, scheduler, iteration: Optional[int] = None, weights_only: bool = False,
          load_optimizer: bool = True, load_rng: bool = True) -> None:
     """Load a checkpoint of a run folder (the latest, or ``iteration``'s) into model, optimizer and
-    scheduler and restore this rank's RNG streams. ``weights_only`` (a stage starting from another
+    scheduler and restore this rank's RNG streams (those that map from another device's: ``_set_rng_state``). ``weights_only`` (a stage starting from another
     run's weights; always for a seed checkpoint): the model alone. ``load_optimizer=False`` keeps
     the optimizer fresh (the scheduler's step is loaded), ``load_rng=False`` the RNG streams as they
     are. An optimizer whose state is not loaded copies its main (fp32) weights from the loaded
@@ -648,8 +681,10 @@ def load(folder, model, optimizer, scheduler, iteration: Optional[int] = None, w
     if weights_only or "scheduler" not in common:  # a seed checkpoint holds the weights only
         optimizer = scheduler = None
     # RNG streams are per (PP, TP) rank: resharded runs start them afresh
-    rng = load_rng and common.get("rng_layout") == _rng_layout()
-    state = _state(model, optimizer, scheduler, {}, loading=True, optimizer_state=load_optimizer, rng=rng)
+    rng = load_rng and optimizer is not None and common.get("rng_layout") == _rng_layout()
+    parts = _saved_rng_parts(path, common) if rng else []
+    template = torch.empty(sum(size for _, size in parts), dtype=torch.uint8) if rng else None  # as long as the saved vector
+    state = _state(model, optimizer, scheduler, {}, loading=True, optimizer_state=load_optimizer, rng=template)
     del state["train_state"]  # read from the common state, whatever its keys
     try:
         with torch.no_grad(), _weights_only_loading():  # no grad: the optimizer copies into views of parameters
@@ -665,5 +700,5 @@ def load(folder, model, optimizer, scheduler, iteration: Optional[int] = None, w
         fresh_optimizer.reload_model_params()
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
-    if optimizer is not None and rng:
-        _set_rng_state(loaded["rng_state"].flatten())
+    if rng:
+        _set_rng_state(path, loaded["rng_state"].flatten(), parts)

@@ -35,7 +35,7 @@ from fbt_megatron.trainer.build import build_model, build_optimizer
 from fbt_megatron.trainer.callbacks.base import Callback
 from fbt_megatron.trainer.callbacks.ranks import record_ranks
 from fbt_megatron.trainer.callbacks.registry import callbacks_for
-from fbt_megatron.trainer.callbacks.watchdog import arm_flight_recorder
+from fbt_megatron.trainer.callbacks.watchdog import arm_flight_recorder, collective_timeout_s
 from fbt_megatron.trainer.checkpointing import TrainState
 from fbt_megatron.trainer.data import build_data
 from fbt_megatron.trainer.metrics import TrainingLog, epochs_note, header, validation_note
@@ -58,7 +58,8 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
         megatron_fixes.start_write_results_queue()
     arm_flight_recorder(c.save)  # before the process groups: NCCL's timeout dumps its flight recorder to <save>/hang/
     platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed,
-                              context_parallel_size=p.context_parallel_size, timeout_s=60 * t.distributed_timeout_minutes)
+                              context_parallel_size=p.context_parallel_size,
+                              timeout_s=collective_timeout_s(t.distributed_timeout_minutes, t.hang_timeout_minutes))
     dist.barrier()  # the entry point's rank 0 prepared the data (trainer.data.prepare_data) before it came here
     data = build_data(recipe, dist.get_rank())
     vocab, config, model, ddp, optimizer, scheduler, passes, state = _build(recipe, origin, saved, data, schedule)

@@ -35,7 +35,7 @@ from fbt_megatron.trainer.bad_steps import BadSteps, NaNInjection, optimizer_ste
 from fbt_megatron.trainer.callbacks.faults import Faults
 from fbt_megatron.trainer.callbacks.norms import gradient_squares, layer_norms
 from fbt_megatron.trainer.callbacks.spikes import Spikes
-from fbt_megatron.trainer.callbacks.stragglers import Span, StepClock
+from fbt_megatron.trainer.callbacks.stragglers import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class StepResult:
     lr: float  # the learning rate after the step (the first param group's)
     layer_norms: Optional[dict] = None  # every --log-layer-norms-interval steps: callbacks.norms.layer_norms
     seconds: float = 0.0  # the step's wall time
-    own: Optional[Span] = None  # this rank's own part of it, up to the gradient reduction (callbacks.stragglers)
+    own: Optional[float] = None  # this rank's own seconds of it, up to the gradient reduction (callbacks.stragglers)
 
 
 class TrainStep:
@@ -150,13 +150,13 @@ class TrainStep:
         self.injection, self.bad = NaNInjection(t.inject_nan), BadSteps(t.max_bad_steps, skipped_steps)
         self.faults = Faults(t.inject_fault, recipe.checkpoint.save, dist.get_rank())  # --inject-fault
         self.spikes = Spikes(t, recipe.checkpoint.save)  # --spike-policy
-        self.clock = StepClock(ddp.config)
+        self.clock = StepClock(ddp.config, profile=bool(recipe.logging.straggler_threshold) and dist.get_world_size() > 1)
 
     def __call__(self, state, k: int, callbacks, measure_deltas: bool) -> StepResult:
         """The step after ``state`` (``checkpointing.TrainState``) with k passes; ``callbacks``: the
         run's (``callbacks.base.Callbacks``), told once the step has begun; ``measure_deltas``:
         report the state deltas ‖Δs‖ too (log steps)."""
-        self.clock.start()
+        self.clock.start(logged=measure_deltas)  # measure_deltas: a logged step
         t, step, model = self.recipe.training, state.iteration + 1, self.model
         self.ddp.start_step(k)
         model.z_loss.start_step(z_loss_coefficient(t, self.cooldown, state.iteration))

@@ -54,7 +54,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from fbt_megatron.common import logs
+from fbt_megatron.common import logs, platform
 from fbt_megatron.common.io import atomic_write
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ class StopCheck:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.group = None
         if self.world > 1 and dist.get_backend() != "gloo":  # a CPU group: the flags never touch the device
-            self.group = dist.new_group(backend="gloo")
+            # with the run's timeout: gloo's own default (30 min) would end a hang before the watchdog
+            self.group = dist.new_group(backend="gloo", timeout=platform.collective_timeout())
         self.flags, self.pending = torch.zeros(2), None
         self.previous, self.receiver = {}, None
         if handle_signals:  # every delivery counts, also while the main thread is in a long C call

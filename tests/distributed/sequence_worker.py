@@ -2,8 +2,10 @@
 state; the distributed shift must equal the whole-sequence right shift at those rows, and its
 backward must give every row the gradient the whole-sequence computation gives it. Under CP the
 ranks' loss shares (their token losses over the loss tokens of whole sequences) must add up to
-the whole sequences' masked mean. Each ``--layout TP,CP`` of the world size is checked in turn
-(one launch: start-up paid once). Tensors live on ``platform.device()``: under
+the whole sequences' masked mean. A second pass (``local`` and ``shift`` again) moves nothing
+between the host and the device: the layout's index tensors are on the device once (on a GPU each
+such copy from pageable memory is blocking). Each ``--layout TP,CP`` of the world size is checked
+in turn (one launch: start-up paid once). Tensors live on ``platform.device()``: under
 ``FBT_SIMULATED_DEVICE=1`` a device that is not the host, whose TP and CP groups take device tensors
 only, as NCCL's do."""
 
@@ -12,6 +14,24 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class HostTransfers(TorchDispatchMode):
+    """The ops run under it that move data between the host and the device: those whose tensors
+    are on both (a host 0-dim scalar aside), e.g. a copy to the device or indexing with host indices."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [x for x in tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
+        if len({x.device.type for x in tensors if x.dim() > 0 or x.device.type != "cpu"}) > 1:
+            self.ops.append(str(func))
+        return out
 
 
 def main():
@@ -61,12 +81,16 @@ def check(args) -> bool:
     shifted = layout.shift(local)
     (shifted * layout.local(weight)).sum().backward()
 
+    with HostTransfers() as transfers:  # a second pass
+        layout.shift(layout.local(state))
+    print(f"rank {dist.get_rank()} tp {args.tp} cp {args.cp}: host-device copies in a second pass: {transfers.ops}", flush=True)
+
     value_error = (shifted - layout.local(shifted_whole.detach())).abs().max().item()
     grad_error = (local.grad - layout.local(whole.grad)).abs().max().item()
     covered = torch.zeros(args.seq, device=device)
     covered[layout.positions] = 1
     dist.all_reduce(covered)
-    ok = value_error == 0 and grad_error == 0 and bool((covered == 1).all())  # every position on one rank
+    ok = value_error == 0 and grad_error == 0 and bool((covered == 1).all()) and not transfers.ops  # every position on one rank
 
     token_loss, loss_mask = torch.rand(3, args.seq, generator=g).to(device), torch.rand(3, args.seq, generator=g).to(device) > 0.3
     if args.cp > 1:  # [b, s] batches are split along s by CP (not by SP)

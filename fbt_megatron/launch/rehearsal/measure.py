@@ -30,6 +30,12 @@ import psutil
 
 log = logging.getLogger(__name__)
 
+# Where a check compares bits or greedy tokens, on a GPU: cuBLAS in full FP32 (NVIDIA_TF32_OVERRIDE; NGC's
+# images set TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which makes every FP32 torch matmul TF32), deterministic
+# attention backward in Transformer Engine (its default allows FusedAttention/FlashAttention's
+# non-deterministic one) and a cuBLAS workspace that reproduces bit for bit. No effect on a CPU.
+EXACT_ENV = {"NVIDIA_TF32_OVERRIDE": "0", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "0", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+             "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 INTERVAL = 0.2  # seconds between memory samples
 OVERHEAD = 20  # the tree's Pss at most every 20 times what reading it took: a 16 GiB process's walks its page tables
 GiB = 2**30

@@ -1,6 +1,13 @@
-"""The rehearsal's report: one row per stage (wall time, peak memory, what it wrote), the figures the
-stages measured (step times, checkpoint size and save/load times, the planner against the measured
-memory) and the checks (PASS/FAIL), printed as tables and written to ``rehearsal.json``."""
+"""The report of a run of checks — the rehearsal's and ``tools/gpu_check.py``'s alike — and the
+rehearsal's own: one row per stage (wall time, peak memory, what it wrote), the figures the stages
+measured (step times, checkpoint size and save/load times, the planner against the measured memory)
+and the checks, printed as tables and written to ``rehearsal.json``.
+
+``CheckReport`` holds rows of PASS / FAIL / SKIP / INFO, each with the value measured and the
+criterion it was held to. Honest by construction: an exception is a FAIL (out of memory included),
+a comparison that could not run is a SKIP with its reason, ``ok()`` is true only when every check
+ran and none failed, and the last line (``verdict``) says "all N checks passed" only then. Exit
+codes: 0 every check ran and passed, 1 a check failed, 3 none failed but some were not checked."""
 
 from __future__ import annotations
 
@@ -15,27 +22,101 @@ from fbt_megatron.launch.rehearsal.measure import GiB, Measured
 
 MEMORY_TOLERANCE = 0.15  # the planner's estimate (with a CPU process's terms) against the largest training process's RSS
 REPORT = "rehearsal.json"
+PASSED, FAILED, NOT_CHECKED = 0, 1, 3  # exit codes (2 stays bad input: fbt_megatron.common.cli)
 
 
-def verdict(failed: int, skipped: List[str]) -> str:
-    """A report's last line: what failed, and what was not checked — a report with a skipped check
-    or stage never ends in a bare "all checks passed" (``tools/gpu_check.py`` ends with it too)."""
-    not_checked = f"{len(skipped)} not checked (skipped: {'; '.join(skipped)})" if skipped else ""
-    if failed:
-        return f"FAILED: {failed} check(s)" + (f"; {not_checked}" if skipped else "")
-    return f"every check that ran passed; {not_checked}" if skipped else "all checks passed"
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and message, whitespace collapsed; out of memory said so."""
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    if type(error).__name__ == "OutOfMemoryError" or "out of memory" in str(error).lower():
+        text = "out of memory: " + text
+    return text
+
+
+class CheckReport:
+    """Rows of PASS / FAIL / SKIP / INFO (module docstring)."""
+
+    def __init__(self, checks: Optional[List[dict]] = None):
+        self.checks: List[dict] = list(checks or [])
+
+    # ------------------------------------------------------------ rows
+    def check(self, name: str, value: str, ok: Optional[bool], criterion: str = "") -> Optional[bool]:
+        """A comparison's row: PASS or FAIL by ``ok``; ``ok`` None is INFO (a figure, no criterion)."""
+        result = "INFO" if ok is None else "PASS" if ok else "FAIL"
+        self.checks.append(dict(check=name, value=str(value), criterion=criterion, result=result))
+        return ok
+
+    def info(self, name: str, value: str, note: str = "") -> None:
+        self.check(name, value, None, note)
+
+    def skip(self, name: str, why: str, criterion: str = "") -> None:
+        """A check that could not run, and why: the report is then not ok."""
+        self.checks.append(dict(check=name, value=f"not run: {why}", criterion=criterion, result="SKIP"))
+
+    def fail(self, name: str, why: str, criterion: str = "") -> None:
+        self.check(name, why, False, criterion)
+
+    def extend(self, rows: List[dict], prefix: str = "") -> None:
+        """Another report's rows, each named with ``prefix`` unless it already is."""
+        self.checks += [dict(r, check=r["check"] if r["check"].startswith(prefix) else prefix + r["check"]) for r in rows]
+
+    # ------------------------------------------------------------ the verdict
+    def count(self, result: str) -> int:
+        return sum(c["result"] == result for c in self.checks)
+
+    def ok(self) -> bool:
+        """Every check ran and none failed."""
+        return not self.count("FAIL") and not self.count("SKIP")
+
+    def exit_code(self) -> int:
+        return FAILED if self.count("FAIL") else NOT_CHECKED if self.count("SKIP") else PASSED
+
+    def verdict(self) -> str:
+        """The last line: what failed and what was not checked; "all N checks passed" only when every one ran."""
+        failed = [c["check"] for c in self.checks if c["result"] == "FAIL"]
+        skipped = [c["check"] for c in self.checks if c["result"] == "SKIP"]
+        passed = self.count("PASS")
+        not_checked = f"{len(skipped)} not checked ({_some(skipped)})" if skipped else ""
+        if failed:
+            return f"FAILED: {len(failed)} check(s) ({_some(failed)})" + (f"; {not_checked}" if skipped else "")
+        if skipped:
+            return f"NOT ALL CHECKED: {not_checked}; the {passed} that ran passed"
+        return f"all {passed} checks passed" if passed else "NOTHING CHECKED: no check ran"
+
+    def checks_table(self, width: Optional[int] = None) -> str:
+        """The rows as a table; ``width``: cells longer than that cut with "…" (the JSON keeps them whole)."""
+        def cut(text: str) -> str:
+            return text if width is None or len(text) <= width else text[:width - 1] + "…"
+
+        return _columns([("check", "value", "criterion", "result")]
+                        + [(cut(c["check"]), cut(c["value"]), cut(c.get("criterion", "")), c["result"]) for c in self.checks])
+
+    def as_dict(self) -> dict:
+        return dict(ok=self.ok(), exit_code=self.exit_code(), verdict=self.verdict(), checks=self.checks)
+
+    @classmethod
+    def load(cls, path: Path) -> "CheckReport":
+        return cls(json.loads(Path(path).read_text())["checks"])
+
+
+def _some(names: List[str], shown: int = 6) -> str:
+    """The first ``shown`` names, and how many more the table holds."""
+    more = f"; … {len(names) - shown} more in the table" if len(names) > shown else ""
+    return "; ".join(names[:shown]) + more
 
 
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
 
 
-class Report:
+class Report(CheckReport):
+    """The rehearsal's: its checks, and the stages and figures beside them."""
+
     def __init__(self, folder: Path):
+        super().__init__()
         self.folder = folder
         self.stages: List[dict] = []
         self.figures: List[dict] = []
-        self.checks: List[dict] = []
         self.failure: Optional[str] = None
 
     # ------------------------------------------------------------ rows
@@ -52,18 +133,24 @@ class Report:
         self.stages.append(dict(stage=name, seconds=round(time.perf_counter() - start, 1), cpu_seconds=None, max_process_rss_gib=None,
                                 max_tree_pss_gib=None, exit=0, output_gib=None, log=note))
 
-    def skip(self, name: str, why: str) -> None:
+    def skip_stage(self, name: str, why: str, asked: bool = True) -> None:
+        """A stage not run: a SKIP check when the run asked for it (the report is then not ok), else a
+        stage row only (``--no-vllm``)."""
         self.stages.append(dict(stage=name, seconds=None, cpu_seconds=None, max_process_rss_gib=None, max_tree_pss_gib=None, exit=None,
-                                output_gib=None, log=f"skipped: {why}"))
+                                output_gib=None, log=f"{'skipped' if asked else 'not asked'}: {why}"))
+        if asked:
+            self.skip(f"stage {name}", why)
 
     def figure(self, name: str, value: float, unit: str, note: str = "") -> None:
         self.figures.append(dict(figure=name, value=value, unit=unit, note=note))
 
-    def check(self, name: str, value: str, ok: Optional[bool]) -> None:
-        self.checks.append(dict(check=name, value=value, result="INFO" if ok is None else "PASS" if ok else "FAIL"))
-
-    def failed(self, message: str) -> None:
+    def failed(self, message: str, not_reached: List[str]) -> None:
+        """A stage failed (``message``: which, its exit code and the end of its log): a FAIL row, and
+        a SKIP row for the stages it left unrun."""
         self.failure = message
+        self.fail("every stage runs", message.splitlines()[0], "exit 0")
+        if not_reached:
+            self.skip(f"stages {', '.join(not_reached)}", "not reached: an earlier stage failed")
 
     # ------------------------------------------------------------ what the stages measured
     def planner(self, plan) -> None:
@@ -71,27 +158,34 @@ class Report:
         self.figure("parameters", plan.params_total, "", f"{c.num_layers} layer(s), D {c.hidden_size}, FFN {c.ffn_hidden_size}, "
                     f"heads {c.num_attention_heads}/{c.num_query_groups} of {c.kv_channels}, vocabulary {c.vocab_size:,}")
 
-    def steps(self, train: Measured, steps: dict, plan) -> None:
+    def steps(self, train: Measured, steps: dict, plan, gpu: bool = False) -> None:
         from fbt_megatron.model.flops import flops_per_token
 
         built, planned = checks.trained_parameters(train), plan.stages[-1].params  # the logging rank's: the last stage's
-        self.check("parameters per rank: the training run's model = the planner's", f"{built:,} vs {planned:,}", built == planned)
+        self.check("parameters per rank: the training run's model = the planner's", f"{built:,} vs {planned:,}", built == planned,
+                   "equal")
 
         for step, record in sorted(steps.items()):
             k = record["k"]
             self.figure(f"step {step} (k={k}) time", round(record["iteration_time"], 2), "s",
                         f"{record.get('model_tflops_per_gpu', float('nan')):.3g} model TFLOP/s per process "
                         f"({flops_per_token(plan.config, k) / 1e9:.3g} GFLOP per token, fbt_megatron.model.flops)")
-        self.memory("train", train, plan)
+        self.memory("train", train, plan, gpu)
 
-    def memory(self, stage: str, m: Measured, plan) -> None:
+    def memory(self, stage: str, m: Measured, plan, gpu: bool = False) -> None:
+        """The planner's estimate (CPU terms) against the stage's largest process RSS; on a GPU node the
+        planner's figure is device memory, which the rehearsal does not measure: a SKIP."""
+        name = f"{stage}: largest process RSS vs the planner ({plan.chosen})"
+        if gpu:
+            self.skip(name, "a GPU process's RSS is host memory; the planner estimates device memory, which the rehearsal "
+                      "does not measure", f"within {MEMORY_TOLERANCE:.0%}")
+            return
         estimate = plan.memory[plan.chosen]
         planned, measured = estimate.total, m.max_process_rss
         ratio = measured / planned
         terms = ", ".join(f"{k} {v / GiB:.2f}" for k, v in estimate.terms.items())
-        self.check(f"{stage}: largest process RSS vs the planner ({plan.chosen})",
-                   f"{measured / GiB:.2f} vs {planned / GiB:.2f} GiB planned ({terms}): {ratio:.2f}x; {m.peak()}",
-                   abs(ratio - 1) <= MEMORY_TOLERANCE)
+        self.check(name, f"{measured / GiB:.2f} vs {planned / GiB:.2f} GiB planned ({terms}): {ratio:.2f}x; {m.peak()}",
+                   abs(ratio - 1) <= MEMORY_TOLERANCE, f"within {MEMORY_TOLERANCE:.0%}")
 
     def checkpoint(self, path: Path, train: Measured) -> None:
         self.figure("checkpoint size (one step, torch_dist)", round(folder_bytes(path) / GiB, 2), "GiB", str(path.name))
@@ -125,7 +219,7 @@ class Report:
         sharded = size > parse_size(max_shard_size)  # then shards and an index, else one model.safetensors
         layout = len(shards) > 1 and index if sharded else (folder / "model.safetensors").is_file() and not index
         self.check(f"export: bfloat16 safetensors, {'sharded with an index' if sharded else 'one file'} at --max-shard-size "
-                   f"{max_shard_size}", f"{len(shards)} shards, {dtype}", layout and dtype == "bfloat16")
+                   f"{max_shard_size}", f"{len(shards)} shards, {dtype}", layout and dtype == "bfloat16", "as asked")
 
     def check_losses(self, name: str, expected: dict, got: dict, tolerance: float) -> None:
         """Per-pass losses and the gradient norm of one step: equal, or within ``tolerance`` (relative)."""
@@ -133,15 +227,12 @@ class Report:
         d = checks.relative_difference(keys(got), keys(expected))
         losses = "/".join(f"{x:.6f}" for x in got["pass_losses"])
         self.check(name, f"{losses}, gradient norm {got['grad_norm']:.6f}; losses and gradient norm: largest relative "
-                   f"difference {d:.1e}", d <= tolerance)
+                   f"difference {d:.1e}", d <= tolerance, "bit for bit" if tolerance == 0 else f"within {tolerance:.0e} relative")
 
     # ------------------------------------------------------------ the end
-    def ok(self) -> bool:
-        return self.failure is None and all(c["result"] != "FAIL" for c in self.checks)
-
     def finish(self) -> "Report":
         print(self.table(), flush=True)
-        data = dict(ok=self.ok(), failure=self.failure, stages=self.stages, figures=self.figures, checks=self.checks)
+        data = dict(self.as_dict(), failure=self.failure, stages=self.stages, figures=self.figures)
         atomic_write(self.folder / REPORT, json.dumps(data, indent=1) + "\n")
         return self
 
@@ -158,14 +249,10 @@ class Report:
         out = [_columns(rows), ""]
         out.append(_columns([("figure", "value", "note")] + [(f["figure"], f"{f['value']:,} {f['unit']}".strip(), f["note"])
                                                              for f in self.figures]))
-        out.append("")
-        out.append(_columns([("check", "value", "result")] + [(c["check"], c["value"], c["result"]) for c in self.checks]))
+        out += ["", self.checks_table()]
         if self.failure:
             out += ["", f"FAILED: {self.failure}"]
-        else:
-            skipped = [s["stage"] for s in self.stages if s["log"].startswith("skipped:")]
-            out += ["", verdict(sum(c["result"] == "FAIL" for c in self.checks), skipped)]
-        out.append(f"report: {self.folder / REPORT}")
+        out += ["", self.verdict(), f"report: {self.folder / REPORT}"]
         return "\n".join(out)
 
 

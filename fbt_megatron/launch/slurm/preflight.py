@@ -209,13 +209,14 @@ def plan_stage(stage: Stage, res: Resources, gpu=None, gpu_memory_gb: Optional[f
             f"{t.train_iters:,} steps × {t.global_batch_size} × {lay.seq_length:,} tokens ({_count(plan.tokens)}); "
             f"{gib(plan.memory[plan.chosen].total)} GiB per {unit} estimated")
     if plan.gpu_memory is not None:
-        line += f" of {gib(plan.gpu_memory)}"
+        line += f" of {gib(plan.gpu_memory)} usable"
     elif res.gpus_per_node:
         line += " (not checked: give --gpu or --gpu-memory-gb)"
     if plan.train_seconds is not None:
         hours = plan.train_seconds / 3600
         jobs = math.ceil(plan.train_seconds / max(parse_time(res.time) - signal_seconds, 60))
-        line += f"; {hours:,.1f} h at {plan.mfu:.0%} MFU: about {jobs} job{'s' if jobs > 1 else ''} of {res.time}"
+        line += (f"; {hours:,.1f} h (model FLOPs at {plan.mfu:.0%} MFU; the log's MFU {plan.logged_mfu:.0%}, "
+                 f"{plan.megatron_mfu:.0%} by Megatron-LM's formula): about {jobs} job{'s' if jobs > 1 else ''} of {res.time}")
     return Check(problems, notes + [line])
 
 

@@ -104,15 +104,17 @@ class Resources:
         gpus = self.gpus_per_node
         return self.options(cpus_per_task=self.cpus_per_task or CPUS_PER_GPU * gpus or None, exclusive=not gpus)
 
-    def container(self, workdir: Path) -> str:
+    def container(self, workdir: Path, name: Optional[str] = None) -> str:
         """srun's pyxis options when a container image is given: the work folder and this checkout
-        mounted at their own paths, then the mounts given."""
+        mounted at their own paths, then the mounts given; with ``name`` (a shell word, expanded by the
+        job) the container pyxis keeps under that name for the job's later steps."""
         if not self.container_image:
             return ""
         own = [workdir] + ([] if REPOSITORY.is_relative_to(workdir) else [REPOSITORY])
         mounts = ",".join([*(f"{path}:{path}" for path in own), *self.container_mounts])
-        return shlex.join([f"--container-image={self.container_image}", f"--container-mounts={mounts}",
-                           f"--container-workdir={workdir}"])
+        options = shlex.join([f"--container-image={self.container_image}", f"--container-mounts={mounts}",
+                              f"--container-workdir={workdir}"])
+        return options + (f" --container-name={name}" if name else "")
 
     def python(self, python: str) -> str:
         """The interpreter a job runs: this one, or the container's ``python``."""
@@ -156,10 +158,34 @@ class Stage:
 
 def image_check(stage: Stage, res: Resources) -> str:
     """The training job's first step, run in the job's Python (the image's, or this one): ``image_check.py``
-    (by its path) and its arguments: what the stage needs depends on GPU nodes and context parallelism."""
-    args = [*(["--image", res.container_image] if res.container_image else []), *(["--gpu"] if res.gpus_per_node else []),
+    (by its path) and its arguments: what the stage needs depends on GPU nodes and context parallelism;
+    on GPU nodes CUDA must also initialise and show the job's GPUs per node (``--gpus N``)."""
+    args = [*(["--image", res.container_image] if res.container_image else []),
+            *(["--gpus", str(res.gpus_per_node)] if res.gpus_per_node else []),
             *(["--context-parallel"] if stage.config.parallel.context_parallel_size > 1 else [])]
     return quoted([REPOSITORY / "fbt_megatron" / "launch" / "slurm" / "image_check.py", *args])
+
+
+# pyxis's name of a training job's container (slurm/train.sbatch): the job's steps of one attempt share it; a
+# requeued attempt (a new restart count) imports the image afresh, never reusing a container an earlier one left.
+CONTAINER_NAME = '"fbt-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"'
+
+
+def check_tasks(res: Resources) -> str:
+    """srun's tasks of the environment check: one on every node with a container image (each node
+    imports it there, before the training's rendezvous starts its clock) or GPUs (each node's driver
+    and GPUs); else, the job's Python on CPU nodes, one on the first node."""
+    if res.container_image or res.gpus_per_node:
+        return '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'
+    return "--nodes=1 --ntasks=1"
+
+
+# torchrun's c10d rendezvous: how long every node's agent has to join (torch's join_timeout, its default 600 s).
+# IMAGE_IMPORT_ALLOWANCE: one node's pyxis import of a ~20 GB image at ~17 MB/s (a registry, or one file server
+# for every node of the job; not measured): the check step imports it before the rendezvous, the training step
+# only where that container is gone.
+IMAGE_IMPORT_ALLOWANCE = 1200
+JOIN_TIMEOUT = IMAGE_IMPORT_ALLOWANCE + 600  # s: 10 minutes more for the agents' start (--rdzv-join-timeout)
 
 
 @dataclass(frozen=True)
@@ -175,8 +201,9 @@ class Retries:
 
 
 def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: int, workdir: Path, python: str,
-                    retries: Retries) -> str:
-    """The job of one stage, requeued after a failure as ``retries`` says."""
+                    retries: Retries, join_timeout: int = JOIN_TIMEOUT) -> str:
+    """The job of one stage, requeued after a failure as ``retries`` says; with ``--launch torchrun``
+    its rendezvous waits ``join_timeout`` seconds for every node."""
     procs = res.procs_per_node
     # the attempts' record and retry budget runs in the batch shell: outside a container, its python3
     attempts = ["python3" if res.container_image else res.python(python),
@@ -185,10 +212,11 @@ def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: i
         "train.sbatch", name=stage.name, nodes=res.nodes, tasks_per_node=1 if launch == "torchrun" else procs,
         time=res.time, log_dir=shlex.quote(str(res.log_dir)), signal_seconds=signal_seconds, sbatch_options=res.options(),
         workdir=shlex.quote(str(workdir)), launch=launch, procs_per_node=procs, save=shlex.quote(str(stage.save)),
-        train_iters=stage.train_iters, train_args=quoted(stage.train_args()), container=res.container(workdir),
+        train_iters=stage.train_iters, train_args=quoted(stage.train_args()),
+        container_name=CONTAINER_NAME if res.container_image else "''", container=res.container(workdir, '"$CONTAINER_NAME"'),
         python=res.python(python), environment=res.exports(), repository=shlex.quote(str(REPOSITORY)),
         policy=quoted(retries.args()), attempts=" ".join(attempts), image_check=image_check(stage, res), stop_seconds=stop_seconds(signal_seconds),
-        device_connections=device_connections(stage.config),
+        device_connections=device_connections(stage.config), check_tasks=check_tasks(res), join_timeout=join_timeout,
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from fbt_megatron.launch.slurm.script import Resources, Retries, Stage, export_eval_script, training_script
+from fbt_megatron.launch.slurm.script import JOIN_TIMEOUT, Resources, Retries, Stage, export_eval_script, training_script
 from fbt_megatron.recipe import RecipeError, flags
 
 OWN_FOLDERS = ("--save", "--load", "--pretrained-checkpoint")  # set per stage by a chain
@@ -74,12 +74,13 @@ def sbatch(script: str, dependency: Optional[int] = None) -> int:
 
 
 def submit(stages: List[Stage], res: Resources, launch: str, signal_seconds: int, eval_args: Optional[List[str]],
-           runs_root: Path, dry_run: bool, retries: Retries = Retries()) -> List[int]:
+           runs_root: Path, dry_run: bool, retries: Retries = Retries(), join_timeout: int = JOIN_TIMEOUT) -> List[int]:
     """Submit (``dry_run``: print) each stage's job, each depending on the previous one, then the
     export + evaluation job when ``eval_args`` is given (on one GPU of one node); returns the job ids.
-    A stage's failed attempts are requeued as ``retries`` says."""
+    A stage's failed attempts are requeued as ``retries`` says; torchrun's rendezvous waits
+    ``join_timeout`` seconds for every node."""
     workdir, python = Path.cwd(), sys.executable
-    jobs = [(s.name, training_script(s, res, launch, signal_seconds, workdir, python, retries)) for s in stages]
+    jobs = [(s.name, training_script(s, res, launch, signal_seconds, workdir, python, retries, join_timeout)) for s in stages]
     if eval_args is not None:
         name, run = f"{stages[-1].name}-eval", stages[-1].save
         one_gpu = replace(res, nodes=1, gpus_per_node=min(res.gpus_per_node, 1), cpus_per_task=None)

@@ -13,8 +13,16 @@ collective call returns at once and the host waits later (a ``.item()``, a synch
 bucket's ``wait()``), so a waiting rank's main thread is rarely inside ``torch.distributed``. Each
 rank's ``rank<R>.json`` holds, per process group it belongs to, the number of collectives it has
 issued there as the group's backend counts them (``Backend._get_sequence_number_for_group``:
-gloo's, NCCL's ``seqCollective_``, bumped on the host when the call is made). A rank that issued
-more collectives on a group than a peer is waiting for that peer; a rank behind on a group and ahead
+gloo's, NCCL's ``seqCollective_``, bumped on the host when the call is made), and per peer the
+point-to-point operations (a pipeline's sends and receives) it has issued with that peer, a group
+of two. torch exposes no count of those (NCCL's ``seqP2P_`` is not readable from Python), so the
+watchdog counts them itself (``count_point_to_point``: torch.distributed's send/recv calls wrapped,
+counted when the call is made); whatever they move of a backend's own count (gloo's counts each
+among its collectives; NCCL's ``seqCollective_`` is moved by a batch of them, where it starts
+coalescing) is measured around the call and taken out of the group's collectives, which are then
+collectives alone on any backend: a pipeline's middle stage, which talks to two peers, is not
+"ahead" of the others on the pipeline group. A rank that issued more collectives on a group (or
+operations with a peer) than a peer is waiting for that peer; a rank behind on a group and ahead
 on none is stuck outside a collective: the cause. Where the counts cannot tell (equal on every
 group), a rank inside a ``torch.distributed`` call, or waiting beside a rank found stuck or silent,
 is waiting; else it is stuck (every rank stuck outside collectives, e.g. in I/O). A rank stuck
@@ -28,16 +36,20 @@ whichever rank is stuck; the lowest rank with a report says it in one line (also
 launcher stops the other ranks when one exits. Every rank exits with ``HANG_EXIT`` (124, as
 ``timeout`` does), which a Slurm job restarts from the last checkpoint (``attempts``).
 
-``--distributed-timeout-minutes`` (Megatron-LM's flag, default 10) is the process groups' own
-timeout: a collective that waits longer fails with an error; on NCCL its watchdog then dumps the
-flight recorder into ``<save>/hang/`` (``arm_flight_recorder``) and ends the process. A watchdog
-timeout below it ends hangs in collectives sooner, with stacks and the one line; above it, it
-catches what the groups cannot (a rank stuck in I/O, a data loader, a deadlock in Python).
+The process groups have a timeout of their own (``--distributed-timeout-minutes``, Megatron-LM's
+flag, default 10): a collective that waits longer fails; on NCCL its watchdog then dumps the flight
+recorder into ``<save>/hang/`` (``arm_flight_recorder``) and aborts the process (exit 134 under
+Slurm, no stacks, no diagnosis). So that this watchdog names a hang first, the run gives its groups
+the larger of that flag and this watchdog's timeout plus ``FIRES_WITHIN_S`` (``collective_timeout_s``):
+a collective is issued after the watchdog's last kick, so it cannot time out before the watchdog has
+fired, gathered the reports and ended the run. With the watchdog off (0) the flag alone holds.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import functools
+import inspect
 import json
 import logging
 import os
@@ -45,7 +57,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from fbt_megatron.common import logs
 from fbt_megatron.common.io import atomic_open
@@ -56,6 +68,10 @@ log = logging.getLogger(__name__)
 
 HANG_EXIT = 124
 GRACE_S = 20.0  # how long the first rank waits for the others' files
+CHECK_S = 10.0  # the longest time between two looks at the progress
+# after its timeout the watchdog has ended the run within: a look (CHECK_S), the reports (GRACE_S),
+# the stacks and flight-recorder dumps; with room
+FIRES_WITHIN_S = 120.0
 FLIGHT_RECORDER = "fr_trace_rank_"  # <save>/hang/fr_trace_rank_<R>: torch's flight recorder, per rank
 DIAGNOSIS = "diagnosis.txt"  # <save>/hang/diagnosis.txt: the one line
 
@@ -80,10 +96,118 @@ def arm_flight_recorder(save: Optional[str]) -> None:
             os.environ.update(dict.fromkeys(names, value))
 
 
+def collective_timeout_s(distributed_timeout_minutes: float, hang_timeout_minutes: float) -> int:
+    """The process groups' timeout, seconds (module docstring): ``--distributed-timeout-minutes``,
+    raised to the watchdog's ``--hang-timeout-minutes`` plus ``FIRES_WITHIN_S`` when that is later."""
+    own = 60 * distributed_timeout_minutes
+    if not hang_timeout_minutes:
+        return int(own)
+    return int(max(own, 60 * hang_timeout_minutes + FIRES_WITHIN_S))
+
+
+# ---------------------------------------------------------------- point-to-point counts
+_pairs: Dict[Tuple[int, int], int] = {}  # (lower, higher global rank) → point-to-point operations this rank issued between them
+_moved: Dict[Tuple[str, str], int] = {}  # (group name, backend name) → what those moved of the backend's own count
+
+
+class _Calls(threading.local):
+    """This thread's wrapped calls under way: an operation inside another is the same one (torch's
+    ``send`` calls ``isend``, and a torch-function mode such as ``platform``'s on a CPU calls the
+    function again); inside ``batch_isend_irecv`` its operations' moves are the batch's."""
+
+    op = 0
+    batch = 0
+
+
+_calls = _Calls()
+
+
+def count_point_to_point() -> None:
+    """Wrap torch.distributed's point-to-point calls (idempotent) so that ``issued_collectives``
+    reports them per pair of ranks and leaves them out of the groups' collectives (module
+    docstring). The wrappers replace the functions in ``torch.distributed`` and its
+    ``distributed_c10d``, where megatron-core's pipeline looks them up at each call (``P2POp``
+    accepts only those functions, and ``batch_isend_irecv`` calls what its ops hold)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(c10d.isend, "counted", False):
+        return
+    for name, peer in (("isend", "dst"), ("send", "dst"), ("irecv", "src"), ("recv", "src")):
+        wrapped = _counted(getattr(c10d, name), peer)
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+    batch = c10d.batch_isend_irecv
+
+    @functools.wraps(batch)
+    def batch_isend_irecv(p2p_op_list):
+        def issue():
+            _calls.batch += 1
+            try:
+                return batch(p2p_op_list)
+            finally:
+                _calls.batch -= 1
+
+        return _moving(p2p_op_list[0].group, p2p_op_list[0].tensor.device, issue) if p2p_op_list else issue()
+
+    c10d.batch_isend_irecv = dist.batch_isend_irecv = batch_isend_irecv
+
+
+def _counted(op, peer: str):
+    """``op`` (isend, send: ``peer`` "dst"; irecv, recv: "src"), counting each operation with its peer."""
+    signature = inspect.signature(op)
+
+    def call(*args, **kwargs):
+        _calls.op += 1
+        try:
+            return op(*args, **kwargs)
+        finally:
+            _calls.op -= 1
+
+    @functools.wraps(op)
+    def counted(*args, **kwargs):
+        import torch.distributed as dist
+
+        if _calls.op:  # the operation under way, called again
+            return op(*args, **kwargs)
+        given = signature.bind(*args, **kwargs).arguments
+        group, other = given.get("group"), given.get(peer)
+        if other is None and given.get(f"group_{peer}") is not None:  # batch_isend_irecv names the peer in its group
+            other = dist.get_global_rank(group or dist.group.WORLD, given[f"group_{peer}"])
+        out = _moving(group, given["tensor"].device, lambda: call(*args, **kwargs))
+        if other is not None:  # (a receive from any source has no peer to compare with)
+            pair = tuple(sorted((dist.get_rank(), other)))
+            _pairs[pair] = _pairs.get(pair, 0) + 1
+        return out
+
+    counted.counted = True
+    return counted
+
+
+def _moving(group, device, issue):
+    """``issue()``, adding what it moves of ``group``'s backend count to ``_moved`` (outside a batch)."""
+    import torch.distributed as dist
+
+    if _calls.batch:
+        return issue()
+    group = group or dist.group.WORLD
+    try:
+        backend = group._get_backend(device)
+        before = backend._get_sequence_number_for_group()
+    except RuntimeError:  # no backend for the device, or one that does not count: the call says what is wrong
+        return issue()
+    out = issue()
+    key = (dist.distributed_c10d._world.pg_names[group], backend.name())
+    _moved[key] = _moved.get(key, 0) + backend._get_sequence_number_for_group() - before
+    return out
+
+
 def issued_collectives() -> dict:
     """Per process group of this rank: ``{key: {"group": its description, "ranks": [global ranks],
     "issued": collectives issued}}``, keyed by the group's name (the same on every rank), with the
-    backend's name after a slash where a group has several (``cpu:gloo,cuda:nccl``)."""
+    backend's name after a slash where a group has several (``cpu:gloo,cuda:nccl``); and per peer
+    this rank exchanged point-to-point operations with (``count_point_to_point``), keyed ``p2p
+    LOW-HIGH``: the operations issued."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -99,12 +223,15 @@ def issued_collectives() -> dict:
                 backend = pg._get_backend(device)
                 if all(backend is not b for b in backends):  # one backend may serve several devices (gloo: cpu, cuda)
                     backends.append(backend)
-            issued = [(backend.name(), backend._get_sequence_number_for_group()) for backend in backends]
+            issued = [(backend.name(), backend._get_sequence_number_for_group() - _moved.get((name, backend.name()), 0))
+                      for backend in backends]
         except RuntimeError:  # a backend that does not count (MPI, UCC, some third-party ones)
             continue
         for backend, n in issued:
             groups[name + (f"/{backend}" if len(issued) > 1 else "")] = {
                 "group": desc if desc not in ("", "undefined") else f"group {name}", "ranks": ranks, "issued": n}
+    for (low, high), n in sorted(_pairs.items()):
+        groups[f"p2p {low}-{high}"] = {"group": f"point-to-point {low}-{high}", "ranks": [low, high], "issued": n}
     return groups
 
 
@@ -183,9 +310,10 @@ class Watchdog(Callback):
         self.last, self.started, self.done, self.thread = time.monotonic(), time.time(), threading.Event(), None
 
     def start(self) -> None:
-        """The watching thread, from now (none for a timeout of 0)."""
+        """The watching thread, from now (none for a timeout of 0), and the point-to-point counts."""
         self.last = time.monotonic()
         if self.timeout_s > 0:
+            count_point_to_point()
             self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
             self.thread.start()
 
@@ -205,7 +333,7 @@ class Watchdog(Callback):
             self.thread.join()
 
     def _watch(self) -> None:
-        while not self.done.wait(min(self.timeout_s / 10, 10.0)):
+        while not self.done.wait(min(self.timeout_s / 10, CHECK_S)):
             if time.monotonic() - self.last > self.timeout_s:
                 self._fire()
 
