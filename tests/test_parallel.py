@@ -6,6 +6,8 @@
   weights after the second step equal the single-process run's within 1e-5 relative.
 * The SP/CP shift of the carried state equals the whole-sequence shift, values and gradients, on
   the simulated device (``tests/test_device_contracts.py``): its groups take device tensors only.
+* The headwise gate at TP 2 (with and without SP) gives one process's logits and weight gradient,
+  and under SP all-gathers only its logits (the normed input is the QKV linear's to gather).
 * The entry point as forked ranks (torchrun's environment) logs the same losses at TP2×PP2 and PP2×DP2 as alone, and
   checkpoints move between layouts (TP2×PP2 → 1 process, 1 process → TP2×PP2, PP2×DP2 → 1).
 """
@@ -140,6 +142,15 @@ def check_offloaded_bytes(folder: Path, nproc: int, flags: list):
 
 
 # ---------------------------------------------------------------- the shift across shards
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", ["sp", "no-sp"])
+def test_the_headwise_gate_gathers_its_logits_not_its_input(sp, tmp_path):
+    code, text = launch(tmp_path / "gate.log", DISTRIBUTED / "gate_worker.py", sp, nproc=2)
+    verdicts = [line for line in text.splitlines() if line.startswith("check ")]
+    assert code == 0 and len(verdicts) == 2 * 3, text[-3000:]
+    assert all(line.endswith(": ok") for line in verdicts), "\n".join(verdicts)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,layouts", [(2, ["2,1", "1,2"]), (4, ["1,4", "2,2"])])  # (TP, CP) layouts per launch
 def test_sharded_shift_equals_whole_sequence_shift(nproc, layouts, tmp_path, monkeypatch):

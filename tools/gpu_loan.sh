@@ -14,8 +14,8 @@
 #                                  # stopping it, bounds x 8 (LOAN_TIME_SCALE: a shared CPU), main_grad also against the TE double
 #   PYTHON=/path/to/python OUT=/scratch/loan WORK=/scratch/loan-work tools/gpu_loan.sh
 # OUT (default runs/gpu-loan-DATE): the logs, each part's report, parts.tsv and loan.json; WORK (default
-# OUT): the rehearsal's checkpoints and exports (GBs: where OUT is copied back from a lent machine, set WORK
-# outside it). The rehearsal prepares data/stdlib-sp2048 (23 MiB) when it is missing: bring it prepared.
+# OUT): the rehearsal's checkpoints and exports (about 17 GB at its 4 layers, measured on CPU: where OUT is
+# copied back from a lent machine, set WORK outside it). The rehearsal prepares data/stdlib-sp2048 (23 MiB) when it is missing: bring it prepared.
 # Exit code: the loan report's (0 every row ran and passed, 1 a row failed, 3 none failed but some were not
 # checked); 1 with one line when the gate could not even write its report.
 set -uo pipefail

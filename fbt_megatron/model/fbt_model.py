@@ -23,7 +23,7 @@ from fbt_megatron.common import platform
 from fbt_megatron.model.config import FBTConfig
 from fbt_megatron.model.fbt import Feedback, LatentFeedbackFusion, LatentFeedbackFusionSubmodules
 from fbt_megatron.model.layers import (FBTDotProductAttention, FBTSelfAttention, FBTSelfAttentionSubmodules, FBTTransformerLayer,
-                                       FBTTransformerLayerSubmodules, RMSNorm)
+                                       FBTTransformerLayerSubmodules, HeadwiseGate, RMSNorm)
 from fbt_megatron.model.losses import ZLoss, vocab_parallel_cross_entropy_z
 from fbt_megatron.model.offload import offloading
 
@@ -66,8 +66,8 @@ def fbt_model_spec(
     attn_submodules = dict(
         linear_qkv=col, core_attention=core_attention, linear_proj=row, q_layernorm=qk_norm, k_layernorm=qk_norm
     )
-    # the headwise gate has `heads` outputs: too narrow for FP8 GEMMs, so it stays a megatron linear
-    gate = ColumnParallelLinear if config.headwise_attention_gate else None
+    # the headwise gate has `heads` outputs: too narrow for FP8 GEMMs, so it is a plain GEMM in both specs
+    gate = HeadwiseGate if config.headwise_attention_gate else None
     attention = ModuleSpec(
         module=FBTSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},

@@ -5,7 +5,7 @@
   megatron-core all-reduces its gradient.
 * ``FBTSelfAttention`` — megatron-core SelfAttention whose per-head outputs are scaled by
   sigmoid(w_hᵀ x) (one scalar per head and token) before the output projection (the headwise
-  gate, optional), with a KV cache for generation that keeps only each layer's window.
+  gate, optional: ``HeadwiseGate``), with a KV cache for generation that keeps only each layer's window.
 * ``FBTDotProductAttention`` — megatron-core's local attention whose sliding window also holds when
   an attention mask is given (packed SFT rows).
 * ``FBTTransformerLayer`` — megatron-core TransformerLayer with sandwich norms and depth-scaled
@@ -20,6 +20,8 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel import mappings
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -65,6 +67,41 @@ class FBTDotProductAttention(DotProductAttention):
         return super().forward(query, key, value, attention_mask, *args, **kwargs)
 
 
+class HeadwiseGate(MegatronModule):
+    """The headwise gate's logits w_hᵀ x [s, b, heads/tp] for this TP rank's heads.
+
+    Its weight [heads, D] is replicated over TP (heads · D values), and every rank computes all
+    heads on the tokens it holds: under sequence parallelism only the logits are gathered along the
+    sequence (heads values per token, not the normed input's D, which the QKV linear gathers
+    already), and a rank keeps its heads' slice. The weight's gradient: under SP each rank holds
+    its tokens' part, summed over TP by megatron-core (the ``sequence_parallel`` mark); without SP
+    each rank receives every head's (``scatter``'s backward all-gathers), so the replicas stay equal.
+    Its checkpoint tensor is the global [heads, D] of a column-parallel linear's, so checkpoints of
+    either load. Initialised as megatron's CPU initialisation does a column-parallel weight: the
+    whole matrix, on the default generator (the same on every TP rank)."""
+
+    def __init__(self, config, tp_group):
+        super().__init__(config)
+        self.tp_group = tp_group
+        weight = torch.empty(config.num_attention_heads, config.hidden_size, dtype=torch.float32)
+        if config.perform_initialization:
+            config.init_method(weight)
+        self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)  # every head, on the tokens this rank holds
+        tp = self.tp_group.size() if self.tp_group is not None else 1
+        if tp == 1:
+            return logits
+        if not self.config.sequence_parallel:
+            return mappings.scatter_to_tensor_model_parallel_region(logits, group=self.tp_group)
+        logits = mappings.gather_from_sequence_parallel_region(logits, group=self.tp_group)
+        heads = logits.shape[-1] // tp
+        rank = self.tp_group.rank()
+        return logits[..., rank * heads:(rank + 1) * heads]
+
+
 @dataclass
 class FBTSelfAttentionSubmodules(SelfAttentionSubmodules):
     linear_gate: Union[ModuleSpec, type, None] = None  # None: no headwise gate
@@ -81,25 +118,13 @@ class FBTSelfAttention(SelfAttention):
             self.config.window_size, self.config.window_attn_skip_freq, self.layer_number) else None  # W − 1
         self.linear_gate = None
         if submodules.linear_gate is not None:
-            # column-parallel: each TP rank computes the gates of the heads it owns
-            self.linear_gate = build_module(
-                submodules.linear_gate,
-                config.hidden_size,
-                config.num_attention_heads,
-                config=config,
-                init_method=config.init_method,
-                gather_output=False,
-                bias=False,
-                skip_bias_add=False,
-                is_expert=False,
-                tp_group=self.pg_collection.tp,
-            )
+            self.linear_gate = build_module(submodules.linear_gate, config=config, tp_group=self.pg_collection.tp)
             self._head_gate_logits = None
             self.linear_proj.register_forward_pre_hook(self._gate_heads)
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.linear_gate is not None:
-            self._head_gate_logits, _ = self.linear_gate(hidden_states)  # [s, b, heads/tp]
+            self._head_gate_logits = self.linear_gate(hidden_states)  # [s, b, heads/tp]
         return super().forward(hidden_states, *args, **kwargs)
 
     def _gate_heads(self, _module, args):

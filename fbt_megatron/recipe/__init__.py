@@ -115,8 +115,7 @@ class TrainingSection:
     holding the interpreter (it writes nothing), slow@ adds 1 s to each of 10 steps (a straggler);
     spike@STEP scales the step's loss and gradients up (fbt_megatron/trainer/callbacks/faults.py)."""
     distributed_timeout_minutes: int = 10
-    """Timeout of the process groups' collectives (torch.distributed), minutes; raised to the hang
-    watchdog's timeout plus 2 minutes when that is later, so the watchdog names a hang first."""
+    """Timeout of the process groups' collectives, minutes (at least the hang watchdog's + 2)."""
     hang_timeout_minutes: float = 30.0
     """No step progress for this long (step, validation and checkpoint included): every rank writes its
     Python stacks to <save>/hang/ and the run exits 124, which a Slurm job restarts (0: no watchdog)."""
@@ -434,9 +433,9 @@ class Recipe:
         (``model.te_calls``), and FP8 has Transformer Engine on this machine."""
         from fbt_megatron.model import te_calls
 
-        config = self.model_config()
+        config, most = self.model_config(), max(k for _, mixture in self.pass_phases() for k in mixture)
         try:
-            te_calls.check_pass_count(config, max(k for _, mixture in self.pass_phases() for k in mixture))
+            te_calls.check_pass_count(config, most)
         except ValueError as e:
             raise RecipeError(f"model: {e}") from None
         if config.fp8 and this_machine and not platform.have_transformer_engine():
