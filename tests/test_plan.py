@@ -47,8 +47,9 @@ def test_paper_recipe_plans_with_hand_computed_figures(name):
     assert plan.recipe.training.train_iters == steps and plan.tokens == steps * sequences * 8192
     fusion = 2 * D * D + D if feedback else 0
     assert plan.params_total == 1_060_853_760 + fusion == backbone_formula(L, D, F, V, H, G, DH) + fusion
-    sharded = V * D + L * (D * (H + 2 * G) * DH + H * DH * D + D * H + 3 * D * F)  # TP 2 splits these
-    assert plan.stages[0].params == sharded // 2 + L * (4 * D + 2 * DH) + D + fusion
+    sharded = V * D + L * (D * (H + 2 * G) * DH + H * DH * D + 3 * D * F)  # TP 2 splits these
+    # replicated per layer: 4 norms, the QK norms, the headwise gate (H × D: layers.HeadwiseGate)
+    assert plan.stages[0].params == sharded // 2 + L * (4 * D + 2 * DH + D * H) + D + fusion
     assert (plan.layout.tp, plan.layout.dp, plan.layout.microbatches) == (2, 4, sequences // 4)
     start = round(0.75 * steps)  # the late mixture {1: 0.75, 2: 0.22, 3: 0.03} from 75% of the steps
     expected = {1: start + 0.75 * (steps - start), 2: 0.22 * (steps - start), 3: 0.03 * (steps - start)} if feedback else {1: steps}

@@ -217,9 +217,11 @@ class Report(CheckReport):
         self.figure("export size (bfloat16 safetensors)", round(size / GiB, 2), "GiB",
                     f"{len(shards)} shards, index {'present' if index else 'absent'}, dtype {dtype}")
         sharded = size > parse_size(max_shard_size)  # then shards and an index, else one model.safetensors
-        layout = len(shards) > 1 and index if sharded else (folder / "model.safetensors").is_file() and not index
+        single = (folder / "model.safetensors").is_file()
+        layout = len(shards) > 1 and index if sharded else single and not shards and not index
+        found = f"{len(shards)} shards{', an index' if index else ''}{', model.safetensors' if single else ''}"
         self.check(f"export: bfloat16 safetensors, {'sharded with an index' if sharded else 'one file'} at --max-shard-size "
-                   f"{max_shard_size}", f"{len(shards)} shards, {dtype}", layout and dtype == "bfloat16", "as asked")
+                   f"{max_shard_size}", f"{found}, {dtype}", layout and dtype == "bfloat16", "as asked")
 
     def check_losses(self, name: str, expected: dict, got: dict, tolerance: float) -> None:
         """Per-pass losses and the gradient norm of one step: equal, or within ``tolerance`` (relative)."""
