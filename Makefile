@@ -86,3 +86,16 @@ wheelhouse:
 
 wheelhouse-check:
 	$(PY) tools/wheelhouse.py --output $(WHEELHOUSE) --constraint $(NGC_CONSTRAINT) --check
+
+# The image itself, built by a container engine (podman; ENGINE=docker): `image` on NGC's PyTorch
+# (BASE_IMAGE), `image-cpu` on a CPU stand-in for it built here (packaging/container/ngc-standin), also
+# imported by enroot into IMAGE_SQSH for pyxis (tools/container_image.py; docs/gpu.md#the-container).
+BASE_IMAGE ?= nvcr.io/nvidia/pytorch:26.06-py3
+ENGINE ?= podman
+IMAGE_SQSH ?= .image-build/fbt-megatron+26.06-cpu.sqsh
+.PHONY: image image-cpu
+image:
+	$(PY) tools/container_image.py --base $(BASE_IMAGE) --engine $(ENGINE)
+
+image-cpu:
+	$(PY) tools/container_image.py --base cpu --engine $(ENGINE) --sqsh $(IMAGE_SQSH)

@@ -58,6 +58,9 @@ def _job_options() -> argparse.ArgumentParser:
                    "image, docs/gpu.md#the-container")
     p.add_argument("--container-mounts", action="append", default=[], metavar="SRC:DST[:FLAGS]",
                    help="also mount this in the container (repeatable; the work folder is always mounted)")
+    p.add_argument("--container-runtime", choices=script.CONTAINER_RUNTIMES, default="pyxis",
+                   help="what runs --container-image: pyxis (srun's --container-* options, default), or apptainer "
+                   "(srun ... apptainer exec IMAGE: a .sif file, Apptainer or Singularity on the nodes; docs/slurm.md)")
     p.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
                    help="an extra #SBATCH line, e.g. --sbatch-option=--qos=high (repeatable; written after ours)")
     p.add_argument("--socket-ifname", metavar="IFACE[,IFACE]",
@@ -157,6 +160,8 @@ def resources(args, nodes: int, gpus_per_node: int) -> script.Resources:
         raise RecipeError(f"--cpus-per-task {args.cpus_per_task}: give 1 or more")
     if args.container_mounts and not args.container_image:
         raise RecipeError("--container-mounts: mounts are for --container-image")
+    if args.container_runtime != "pyxis" and not args.container_image:
+        raise RecipeError(f"--container-runtime {args.container_runtime}: the runtime of --container-image; give the image")
     for line in args.sbatch_option:
         if not line.startswith("-") or "\n" in line:
             raise RecipeError(f"--sbatch-option {line!r}: one sbatch option, e.g. --sbatch-option=--qos=high")
@@ -165,7 +170,8 @@ def resources(args, nodes: int, gpus_per_node: int) -> script.Resources:
     if not exclusive and args.command == "submit" and args.cpus_per_task is None:
         raise RecipeError("--no-exclusive: give --cpus-per-task (the CPUs of each task; Slurm's default is often 1)")
     return script.Resources(nodes=nodes, gpus_per_node=gpus_per_node, time=args.time, partition=args.partition,
-                            account=args.account, container_image=args.container_image, log_dir=Path(args.log_dir).resolve(),
+                            account=args.account, container_image=args.container_image, container_runtime=args.container_runtime,
+                            log_dir=Path(args.log_dir).resolve(),
                             container_mounts=args.container_mounts, sbatch_lines=args.sbatch_option, environment=environment,
                             cpus_per_task=args.cpus_per_task, exclusive=exclusive)
 

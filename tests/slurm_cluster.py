@@ -17,6 +17,16 @@ them all.
 job`` (accounting is off: no sacct). ``kill_node(name)`` kills a node as a power loss would (its
 slurmd and every process of its namespace, SIGKILL: Slurm marks it down after ``SlurmdTimeout``,
 10 s here); ``start_node(name)`` brings it back.
+
+``SlurmCluster(pyxis=True)`` also loads pyxis (``find_pyxis()``; ../shared/notes/pyxis-enroot.md) from a
+plugstack.conf in the folder, so that ``srun --container-image=/abs/image.sqsh`` runs a step in an
+enroot container on the nodes. Each node has a disk of its own, ``<folder>/nodes/nX``, mounted at
+``<folder>/local`` for its slurmd (enroot's names — ``pyxis_<job>_<job>.<step>`` — are the same on
+every node of a step): pyxis keeps its runtime files in ``local/pyxis``, enroot its containers in
+``local/enroot-data`` (``XDG_DATA_HOME``/``XDG_RUNTIME_DIR`` in ``env``, which jobs submitted with it pass
+on to pyxis; pyxis drops ``ENROOT_*_PATH`` from a job's environment); named containers are per job
+(``container_scope=job``). pyxis unpacks the image on every node of every step (4–15 s for 130 MB
+here; a named container once per job).
 """
 
 from __future__ import annotations
@@ -61,10 +71,21 @@ SlurmctldPidFile={base}/slurmctld.pid
 SlurmdPidFile={base}/slurmd-%n.pid
 SlurmctldLogFile={base}/slurmctld.log
 SlurmdLogFile={base}/slurmd-%n.log
-{nodes}
+{plugstack}{nodes}
 PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
 NODE = "NodeName={name} NodeHostname={name} NodeAddr={address} CPUs={cpus} RealMemory=7000 State=UNKNOWN"
+
+
+PYXIS_FOLDERS = ("/usr/local/lib/slurm", "/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/slurm", "/usr/lib64/slurm")
+
+
+def find_pyxis() -> Optional[Path]:
+    """pyxis' SPANK plugin: ``$FBT_PYXIS``, else spank_pyxis.so in a usual plugin folder; None where it
+    or enroot is missing."""
+    places = [os.environ["FBT_PYXIS"]] if os.environ.get("FBT_PYXIS") else [f"{d}/spank_pyxis.so" for d in PYXIS_FOLDERS]
+    plugin = next((Path(p) for p in places if Path(p).is_file()), None)
+    return plugin if plugin and shutil.which("enroot") else None
 
 
 def missing_binaries() -> list:
@@ -72,11 +93,16 @@ def missing_binaries() -> list:
 
 
 class SlurmCluster:
-    def __init__(self, nodes: int = 3):
+    def __init__(self, nodes: int = 3, pyxis: bool = False):
+        self.pyxis = find_pyxis() if pyxis else None
+        if pyxis and self.pyxis is None:
+            raise RuntimeError("pyxis asked for, but spank_pyxis.so or enroot is missing (../shared/notes/pyxis-enroot.md)")
         self.base = Path(tempfile.mkdtemp(prefix="fbt-slurm-"))
         self.base.chmod(0o755)
         self.conf = self.base / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        if self.pyxis:
+            self.env.update(XDG_DATA_HOME=str(self.base / "local" / "enroot-data"), XDG_RUNTIME_DIR=str(self.base / "local" / "enroot-run"))
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self._hurried = set()  # (job, restart) whose start was brought forward
 
@@ -97,17 +123,22 @@ class SlurmCluster:
         _end_leftovers()  # a test run killed before its teardown left its daemons, jobs and network
         self._remove_network()
         munge = self.base / "munge"
-        for folder in (munge, self.base / "state", *(self.base / "spool" / n for n in self.nodes)):
+        nodes_disks = (self.base / "local", *(self.base / "nodes" / n for n in self.nodes)) if self.pyxis else ()
+        for folder in (munge, self.base / "state", *(self.base / "spool" / n for n in self.nodes), *nodes_disks):
             folder.mkdir(parents=True, exist_ok=True)
             folder.chmod(0o755)
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         self._network()
+        plugstack = ""
+        if self.pyxis:
+            (self.base / "plugstack.conf").write_text(f"required {self.pyxis} runtime_path={self.base}/local/pyxis container_scope=job\n")
+            plugstack = f"PlugStackConfig={self.base}/plugstack.conf\n"
         nodes = "\n".join(NODE.format(name=n, address=self.address(n), cpus=os.cpu_count())
                           for n in self.nodes)
         self.conf.write_text(SLURM_CONF.format(base=self.base, host=os.uname().nodename, network=NETWORK, controller=CONTROLLER, nodes=nodes,
-                                               names=",".join(self.nodes)))
+                                               plugstack=plugstack, names=",".join(self.nodes)))
         self._run(_sbin("munged"), f"--key-file={key}", f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
                   f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed")
         self._run(_sbin("slurmctld"), "-f", str(self.conf))
@@ -138,10 +169,12 @@ class SlurmCluster:
     def start_node(self, node: str) -> None:
         """The node's slurmd, inside its network namespace, with its own host name (a UTS namespace)
         and a mount namespace where the node's hosts file lies over /etc/hosts (as ``ip netns exec``
-        does, without remounting /sys, which would hide the cgroup file system slurmd reads)."""
+        does, without remounting /sys, which would hide the cgroup file system slurmd reads) and, with
+        pyxis, the node's own disk over ``<folder>/local``."""
         ns = self.namespace(node)
+        local = f"mount --bind {self.base}/nodes/{node} {self.base}/local && " if self.pyxis else ""
         self._run("nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
-                  f"hostname {node} && mount --bind /etc/netns/{ns}/hosts /etc/hosts && "
+                  f"hostname {node} && mount --bind /etc/netns/{ns}/hosts /etc/hosts && {local}"
                   f"exec {_sbin('slurmd')} -f {self.conf} -N {node}")
 
     def kill_node(self, node: str) -> None:

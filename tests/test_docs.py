@@ -40,7 +40,8 @@ PENDING = set()
 FOREIGN_FLAGS = {"--requeue", "--open-mode", "--signal", "--dependency",  # sbatch's
                  "--kill-on-bad-exit", "--wait", "--batch",  # srun's, scancel's
                  "--no-enable-chunked-prefill", "--hf-overrides", "--enforce-eager",  # vllm serve's
-                 "--kv-cache-memory-bytes", "--gpu-memory-utilization"}
+                 "--kv-cache-memory-bytes", "--gpu-memory-utilization",  # vllm serve's
+                 "--isolation"}  # podman build's
 MAX_README_LINES = 160
 
 

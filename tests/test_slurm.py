@@ -96,6 +96,7 @@ PAPER_CHAIN = ["fbt_1b_100b", "longctx_32k", "sft"]  # the README's chain
 EVERY_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'  # srun: one task per node
 IMAGE = "/shared/images/fbt-megatron+26.06.sqsh"  # the project's image (docs/gpu.md#the-container)
 STOCK = "nvcr.io/nvidia/pytorch:26.06-py3"  # NVIDIA's, as it ships
+SIF = "/shared/images/fbt-megatron+26.06.sif"  # the project's image for Apptainer (apptainer build ... docker-daemon://…)
 BAD = {  # the one line a mistake gets: (the line contains, the command after "submit")
     "--recipe missing.yaml": ["--recipe", "missing.yaml", "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00"],
     "--nodes 0": ["--recipe", str(TINY), "--nodes", "0", "--gpus-per-node", "0", "--time", "01:00:00"],
@@ -114,6 +115,8 @@ BAD = {  # the one line a mistake gets: (the line contains, the command after "s
                                                              "--time", "01:00:00", "--container-mounts", "/data:/data"],
     "--stage-args sft: no such stage": ["--chain", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
                                         "--stage-args", "sft=--train-iters 3"],
+    "--container-runtime apptainer: the runtime of --container-image; give the image": [
+        "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--container-runtime", "apptainer"],
     "--rdzv-join-timeout 0: give 1 or more seconds": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time",
                                                       "01:00:00", "--rdzv-join-timeout", "0"],
     "--rdzv-join-timeout: the rendezvous of --launch torchrun; --launch tasks has none": [
@@ -166,6 +169,10 @@ def dry_runs(tmp_path_factory):
         "cpu image": ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "01:00:00",
                       "--container-image", IMAGE, "--runs-root", str(tmp / "runs" / "cpu-image"), "--log-dir", str(tmp / "logs"),
                       "--dry-run"],
+        "apptainer": ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "4", "--time", "01:00:00",
+                      "--container-image", SIF, "--container-runtime", "apptainer", "--container-mounts", "/data:/data",
+                      "--runs-root", str(tmp / "runs" / "apptainer"), "--log-dir", str(tmp / "logs"), "--dry-run", "--",
+                      "--micro-batch-size", "2"],
         "missing data": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--dry-run",
                          "--", "--train-data-path", f"[{tmp / 'missing'}]", "--tokenizer-model", str(data["tokenizer"])],
         "paper chain": chain,
@@ -375,14 +382,15 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
     container_scope is global (its default): the job removes its own on its nodes (``enroot`` and
     ``srun`` stand-ins here)."""
     cases, _, _, _ = dry_runs
-    [torchrun], [tasks], [cpu_image] = (scripts(cases[name][1]).values() for name in ("torchrun", "tasks", "cpu image"))
+    [torchrun], [tasks], [cpu_image], [apptainer] = (scripts(cases[name][1]).values()
+                                                     for name in ("torchrun", "tasks", "cpu image", "apptainer"))
     [(join_code, join_output), (cpu_code, cpu_output)] = cases["join timeout"], cases["sockets"]
     assert join_code == 0 and cpu_code == 0, join_output + cpu_output
     [join], [cpu] = scripts(join_output).values(), scripts(cpu_output).values()
     name = 'CONTAINER_NAME="fbt-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"\n'
     for script in (torchrun, tasks, cpu_image):
         assert name in script and f'--container-workdir={ROOT} --container-name="$CONTAINER_NAME")' in script, script
-        steps = [line for line in script.splitlines() if re.match(r"\s*(TORCH_CPP_LOG_LEVEL=ERROR )?srun ", line)]
+        steps = [line for line in script.splitlines() if re.match(r"\s*(TORCH_CPP_LOG_LEVEL=ERROR |timeout \d+ )?srun ", line)]
         # the removal (on the host), the check, the training (torchrun's or the tasks'): each in the attempt's container
         assert ['"${CONTAINER[@]}"' in line for line in steps] == [False, True, True, True], steps
         assert steps[1].startswith(f'srun {EVERY_NODE} "${{CONTAINER[@]}}" python '), steps
@@ -390,12 +398,19 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
     assert "image_check.py --image /shared/images/fbt-megatron+26.06.sqsh 2>&1" in cpu_image  # CPU nodes: imports only
     assert '--rdzv-id="$SLURM_JOB_ID" --rdzv-conf=join_timeout=1800 \\\n' in torchrun
     assert "--rdzv-conf=join_timeout=2400 \\\n" in join
+    # Apptainer (--container-runtime apptainer): every step runs `apptainer exec` of the .sif file (GPUs with --nv), the
+    # same mounts and work folder; nothing kept per node, so no name and nothing to remove
+    exec_ = (f"CONTAINER=(apptainer exec --nv --bind {ROOT}:{ROOT},/data:/data --pwd {ROOT} {SIF})\n")
+    assert "CONTAINER_NAME=''\n" + exec_ in apptainer and "--container-image=" not in apptainer, apptainer
+    steps = [line for line in apptainer.splitlines() if re.match(r"\s*(TORCH_CPP_LOG_LEVEL=ERROR |timeout \d+ )?srun ", line)]
+    assert ['"${CONTAINER[@]}" python ' in line for line in steps] == [False, True, True, True], steps
+    assert f"image_check.py --image {SIF} --gpus 4 2>&1" in apptainer
     for script in (cpu, join):  # the host's Python on CPU nodes: no container, the check on the first node
         assert "CONTAINER_NAME=''\nCONTAINER=()\n" in script and "--container-name" not in script
         assert f'srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" {sys.executable} {ROOT}/fbt_megatron/launch/slurm/image_check.py 2>&1 |' in script
     assert torchrun.index("remove_containers\nsrun") < torchrun.index("image_check.py --image") < torchrun.index('"${ATTEMPTS[@]}" start')
-    assert torchrun.rstrip().endswith('RC=$?\n[[ -n $STOP ]] || remove_containers  # the job ends here, or a failure requeued '
-                                      'it (its steps then start no more)\nexit $RC')
+    assert re.search(r'^CODE=\$\?\n+(#.*\n)+remove_containers\n(#.*\n)+"\$\{ATTEMPTS\[@\]\}" end ', torchrun, flags=re.M), torchrun
+    assert torchrun.rstrip().endswith('"${POLICY[@]}" --log "$LOG"')  # its exit code the job's
 
     # the name each attempt gets, and what the removal takes: this job's, either container_scope's, nothing else
     header = re.search(r"^CONTAINER_NAME=.*\nCONTAINER=\(.*\)$", torchrun, flags=re.M)[0]

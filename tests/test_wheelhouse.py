@@ -193,5 +193,6 @@ def test_the_recipe_builds_from_the_tag_of_its_constraint_file_and_copies_what_i
     assert sorted(sources) == sorted(allowed), (sources, allowed)
     assert all((ROOT / s).exists() for s in sources if s != "wheelhouse")
     run = dockerfile.split("\nRUN ", 1)[1]
-    assert "wheelhouse.py --output /tmp/fbt-megatron/wheelhouse --install" in run and "image_check.py --gpu" in run
+    assert "wheelhouse.py --output /tmp/fbt-megatron/wheelhouse --install" in run and "image_check.py ${IMAGE_CHECK}" in run
+    assert "\nARG IMAGE_CHECK=--gpu\n" in dockerfile  # a GPU image's check unless told (the CPU stand-in: tools/container_image.py)
     assert "PIP_CONSTRAINT" not in run  # the image's, as it is

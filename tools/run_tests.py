@@ -1,7 +1,7 @@
 """The test suite (``make test``) in two streams on one machine.
 
-tests/test_slurm.py (a real Slurm of three nodes) and tests/test_resilience.py spend much of their
-time waiting: on Slurm's scheduling, requeues and node timeouts, on the hang watchdog. They run as
+tests/test_slurm.py and tests/test_slurm_containers.py (a real Slurm of three nodes, one at a time:
+two would clash on this machine) and tests/test_resilience.py spend much of their time waiting: on Slurm's scheduling, requeues and node timeouts, on the hang watchdog. They run as
 one stream beside the rest of tests/ instead of after it (measured on 2 cores: 11 minutes of the
 suite's 44 at 0.4–0.6 of the CPU). That stream's output is kept in ``.test-logs/waiting.log`` and
 shown after the rest's; the exit status is the first failing stream's. The streams share nothing
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BESIDE = ["tests/test_slurm.py", "tests/test_resilience.py"]
+BESIDE = ["tests/test_slurm.py", "tests/test_slurm_containers.py", "tests/test_resilience.py"]
 LOG = ROOT / ".test-logs" / "waiting.log"
 
 

@@ -85,8 +85,13 @@ def requirements() -> list:
 def pins(constraint: Path) -> dict:
     """{canonical name: (name, version)} of a pip constraint file shaped like NGC's: one
     ``name==version`` per line (comments and blank lines aside)."""
+    return pins_text(constraint.read_text(), constraint)
+
+
+def pins_text(text: str, constraint="the constraint file") -> dict:
+    """``pins`` of a constraint file's text."""
     found = {}
-    for number, raw in enumerate(constraint.read_text().splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#")[0].strip()
         if not line:
             continue

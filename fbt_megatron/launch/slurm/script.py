@@ -72,6 +72,7 @@ class Resources:
     partition: Optional[str] = None
     account: Optional[str] = None
     container_image: Optional[str] = None
+    container_runtime: str = "pyxis"  # CONTAINER_RUNTIMES
     log_dir: Path = Path("logs")
     container_mounts: List[str] = field(default_factory=list)  # SRC:DST[:FLAGS] beyond the work folder
     sbatch_lines: List[str] = field(default_factory=list)  # extra #SBATCH options, written after ours
@@ -105,16 +106,26 @@ class Resources:
         return self.options(cpus_per_task=self.cpus_per_task or CPUS_PER_GPU * gpus or None, exclusive=not gpus)
 
     def container(self, workdir: Path, name: Optional[str] = None) -> str:
-        """srun's pyxis options when a container image is given: the work folder and this checkout
-        mounted at their own paths, then the mounts given; with ``name`` (a shell word, expanded by the
-        job) the container pyxis keeps under that name for the job's later steps."""
+        """What goes between srun's options and the command when a container image is given: pyxis's
+        options, or Apptainer's ``apptainer exec`` (its GPUs with ``--nv``) and the image. The work folder
+        and this checkout are mounted at their own paths, then the mounts given. With pyxis and ``name``
+        (a shell word, expanded by the job), the container pyxis keeps under that name for the job's
+        later steps; Apptainer runs a .sif file in place, with nothing to keep."""
         if not self.container_image:
             return ""
         own = [workdir] + ([] if REPOSITORY.is_relative_to(workdir) else [REPOSITORY])
         mounts = ",".join([*(f"{path}:{path}" for path in own), *self.container_mounts])
+        if self.container_runtime == "apptainer":
+            return shlex.join(["apptainer", "exec", *(["--nv"] if self.gpus_per_node else []), "--bind", mounts,
+                               "--pwd", str(workdir), self.container_image])
         options = shlex.join([f"--container-image={self.container_image}", f"--container-mounts={mounts}",
                               f"--container-workdir={workdir}"])
         return options + (f" --container-name={name}" if name else "")
+
+    @property
+    def pyxis(self) -> bool:
+        """Whether pyxis runs the image (and keeps a named container per node and attempt)."""
+        return bool(self.container_image) and self.container_runtime == "pyxis"
 
     def python(self, python: str) -> str:
         """The interpreter a job runs: this one, or the container's ``python``."""
@@ -169,6 +180,7 @@ def image_check(stage: Stage, res: Resources) -> str:
 # pyxis's name of a training job's container (slurm/train.sbatch): the job's steps of one attempt share it; a
 # requeued attempt (a new restart count) imports the image afresh, never reusing a container an earlier one left.
 CONTAINER_NAME = '"fbt-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"'
+CONTAINER_RUNTIMES = ("pyxis", "apptainer")
 
 
 def check_tasks(res: Resources) -> str:
@@ -213,7 +225,7 @@ def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: i
         time=res.time, log_dir=shlex.quote(str(res.log_dir)), signal_seconds=signal_seconds, sbatch_options=res.options(),
         workdir=shlex.quote(str(workdir)), launch=launch, procs_per_node=procs, save=shlex.quote(str(stage.save)),
         train_iters=stage.train_iters, train_args=quoted(stage.train_args()),
-        container_name=CONTAINER_NAME if res.container_image else "''", container=res.container(workdir, '"$CONTAINER_NAME"'),
+        container_name=CONTAINER_NAME if res.pyxis else "''", container=res.container(workdir, '"$CONTAINER_NAME"'),
         python=res.python(python), environment=res.exports(), repository=shlex.quote(str(REPOSITORY)),
         policy=quoted(retries.args()), attempts=" ".join(attempts), image_check=image_check(stage, res), stop_seconds=stop_seconds(signal_seconds),
         device_connections=device_connections(stage.config), check_tasks=check_tasks(res), join_timeout=join_timeout,
