@@ -95,3 +95,28 @@ def test_the_image_check_passes_a_cpu_jobs_first_step_and_refuses_a_gpu_jobs_in_
     assert lines[0].startswith(f"error: --container-image {IMAGE} cannot run this job: import transformer_engine.pytorch "
                                "failed (ModuleNotFoundError: No module named 'transformer_engine'), needed on GPU nodes"), lines
     print(f"\n{cpu.stdout.strip()}\n{lines[0]}")
+
+
+def test_a_wheelhouse_that_would_replace_the_bases_torch_ends_the_build_in_one_line(tmp_path):
+    """The Dockerfile's build on the stand-in, with the wheelhouse of ``make image-cpu`` asking for PyPI's
+    torch 2.13.0 besides its requirements: pip's dry run under the base's PIP_CONSTRAINT (torch pinned at
+    NGC's pre-release) cannot resolve, and the build ends with one error: line from tools/wheelhouse.py."""
+    context = ROOT / ".image-build" / "context"
+    if not (engine_has("localhost/fbt-ngc-standin:26.06") and (context / "wheelhouse" / "requirements.txt").is_file()):
+        message = "no stand-in image or wheelhouse of make image-cpu here"
+        if os.environ.get("FBT_REQUIRE_IMAGE"):
+            pytest.fail(message + " (FBT_REQUIRE_IMAGE is set)")
+        pytest.skip(message)
+    bad = tmp_path / "context"
+    shutil.copytree(context, bad)
+    requirements = bad / "wheelhouse" / "requirements.txt"
+    requirements.write_text(requirements.read_text() + "torch==2.13.0\n")
+    build = subprocess.run(["podman", "build", "--isolation", "chroot", "--build-arg", "BASE_IMAGE=localhost/fbt-ngc-standin:26.06",
+                            "--build-arg", "IMAGE_CHECK=", "-f", str(ROOT / "packaging/container/Dockerfile"), "-t",
+                            "localhost/fbt-megatron:refused", str(bad)], capture_output=True, text=True)
+    errors = [line for line in build.stdout.splitlines() + build.stderr.splitlines() if line.startswith("error: ")]
+    assert build.returncode != 0 and len(errors) == 1, build.stdout[-3000:] + build.stderr[-3000:]
+    assert errors[0].startswith("error: /tmp/fbt-megatron/wheelhouse/requirements.txt does not install under the constraints "
+                                "/etc/pip/constraint.txt: "), errors
+    assert "torch" in errors[0], errors
+    print(f"\n{errors[0]}")

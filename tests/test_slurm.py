@@ -225,8 +225,8 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
                      "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}", "export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}",
                      "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}$" "{PYTHONPATH:+:$PYTHONPATH}",
                      'srun --cpus-per-task="$CPUS_PER_TASK"', 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK"',
-                     f'srun {EVERY_NODE} "${{CONTAINER[@]}}" python {ROOT}/fbt_megatron/launch/slurm/image_check.py '
-                     f"--image {IMAGE} --gpus 4 2>&1 |\n    grep -vE", "[[ ${PIPESTATUS[0]} != 2 ]] || { remove_containers; exit 2; }"]:
+                     f'CHECK=$(srun {EVERY_NODE} "${{CONTAINER[@]}}" python {ROOT}/fbt_megatron/launch/slurm/image_check.py '
+                     f"--image {IMAGE} --gpus 4 2>&1)\nCHECKED=$?", "[[ $CHECKED != 2 ]] || { remove_containers; exit 2; }"]:
             assert line in script, line
         assert script.index("image_check.py") < script.index('"${ATTEMPTS[@]}" start')  # the first step, before any attempt
         assert script.index("#SBATCH --qos=high") < script.index("set -uo pipefail")  # extra lines among the directives
@@ -390,10 +390,10 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
     name = 'CONTAINER_NAME="fbt-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"\n'
     for script in (torchrun, tasks, cpu_image):
         assert name in script and f'--container-workdir={ROOT} --container-name="$CONTAINER_NAME")' in script, script
-        steps = [line for line in script.splitlines() if re.match(r"\s*(TORCH_CPP_LOG_LEVEL=ERROR |timeout \d+ )?srun ", line)]
+        steps = [line for line in script.splitlines() if re.match(r"\s*(CHECK=\$\(|TORCH_CPP_LOG_LEVEL=ERROR |timeout \d+ )?srun ", line)]
         # the removal (on the host), the check, the training (torchrun's or the tasks'): each in the attempt's container
         assert ['"${CONTAINER[@]}"' in line for line in steps] == [False, True, True, True], steps
-        assert steps[1].startswith(f'srun {EVERY_NODE} "${{CONTAINER[@]}}" python '), steps
+        assert steps[1].startswith(f'CHECK=$(srun {EVERY_NODE} "${{CONTAINER[@]}}" python '), steps
     assert "image_check.py --image /shared/images/fbt-megatron+26.06.sqsh --gpus 4 2>&1" in torchrun + tasks
     assert "image_check.py --image /shared/images/fbt-megatron+26.06.sqsh 2>&1" in cpu_image  # CPU nodes: imports only
     assert '--rdzv-id="$SLURM_JOB_ID" --rdzv-conf=join_timeout=1800 \\\n' in torchrun
@@ -402,13 +402,13 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
     # same mounts and work folder; nothing kept per node, so no name and nothing to remove
     exec_ = (f"CONTAINER=(apptainer exec --nv --bind {ROOT}:{ROOT},/data:/data --pwd {ROOT} {SIF})\n")
     assert "CONTAINER_NAME=''\n" + exec_ in apptainer and "--container-image=" not in apptainer, apptainer
-    steps = [line for line in apptainer.splitlines() if re.match(r"\s*(TORCH_CPP_LOG_LEVEL=ERROR |timeout \d+ )?srun ", line)]
+    steps = [line for line in apptainer.splitlines() if re.match(r"\s*(CHECK=\$\(|TORCH_CPP_LOG_LEVEL=ERROR |timeout \d+ )?srun ", line)]
     assert ['"${CONTAINER[@]}" python ' in line for line in steps] == [False, True, True, True], steps
     assert f"image_check.py --image {SIF} --gpus 4 2>&1" in apptainer
     for script in (cpu, join):  # the host's Python on CPU nodes: no container, the check on the first node
         assert "CONTAINER_NAME=''\nCONTAINER=()\n" in script and "--container-name" not in script
-        assert f'srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" {sys.executable} {ROOT}/fbt_megatron/launch/slurm/image_check.py 2>&1 |' in script
-    assert torchrun.index("remove_containers\nsrun") < torchrun.index("image_check.py --image") < torchrun.index('"${ATTEMPTS[@]}" start')
+        assert f'CHECK=$(srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" {sys.executable} {ROOT}/fbt_megatron/launch/slurm/image_check.py 2>&1)' in script
+    assert torchrun.index("remove_containers\nCHECK=$(srun") < torchrun.index("image_check.py --image") < torchrun.index('"${ATTEMPTS[@]}" start')
     assert re.search(r'^CODE=\$\?\n+(#.*\n)+remove_containers\n(#.*\n)+"\$\{ATTEMPTS\[@\]\}" end ', torchrun, flags=re.M), torchrun
     assert torchrun.rstrip().endswith('"${POLICY[@]}" --log "$LOG"')  # its exit code the job's
 
@@ -435,6 +435,28 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
     assert calls[0].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c enroot list") and calls[0].endswith(" _ fbt-4242-2")
     assert calls[1:] == ["remove -f pyxis_fbt-4242-0", "remove -f pyxis_fbt-4242-1", "remove -f pyxis_4242_fbt-4242-1"], calls
     (tmp_path / "calls").unlink()
+    # an image file enroot cannot start (pyxis's lines as pyxis 0.24 / enroot 4.1.2 print them on the test Slurm: a
+    # missing file, or not a squashfs file): one error: line, exit 2 (not retried); a registry out of reach: retried
+    check = re.search(r"^remove_containers\nCHECK=.*?^# ----$", torchrun, flags=re.M | re.S)[0]
+    pyxis = {"missing": ["slurmstepd-n2: error: pyxis: child 227 failed with error code: 1",
+                         "slurmstepd-n2: error: pyxis: failed to create container filesystem for image: " + IMAGE,
+                         "slurmstepd-n2: error: pyxis: printing enroot log file:",
+                         f"slurmstepd-n2: error: pyxis:     [ERROR] No such file or directory: {IMAGE}",
+                         "slurmstepd-n2: error: spank: required plugin spank_pyxis.so: task_init() failed with rc=-1",
+                         "srun: error: n2: task 1: Exited with exit code 1"],
+             "registry": ["slurmstepd-n1: error: pyxis: failed to import docker image: nvcr.io#nvidia/x:1",
+                          "slurmstepd-n1: error: pyxis:     curl: (6) Could not resolve host: nvcr.io",
+                          "srun: error: n1: task 0: Exited with exit code 1"]}
+    (bin_dir / "srun").write_text('#!/bin/bash\n[[ $* == *image_check.py* ]] || exit 0\ncat "$PYXIS" >&2\nexit 1\n')
+    for case, lines in pyxis.items():
+        (tmp_path / case).write_text("\n".join(lines) + "\n")
+        ran = run_bash(f"{header}\n{remove}\n{check}\necho continued", {**env, "PYXIS": str(tmp_path / case)}, bin_dir)
+        if case == "missing":
+            assert ran.returncode == 2 and ran.stdout.splitlines() == [
+                f"error: --container-image {IMAGE} cannot start on node n2: No such file or directory: {IMAGE} (enroot): give "
+                "the path of a squashfs file made by enroot import, readable on every node (docs/gpu.md#the-container)"], ran
+        else:  # left to the training step and its retry budget, pyxis's lines shown
+            assert ran.returncode == 0 and ran.stdout.splitlines()[-1] == "continued" and "curl: (6)" in ran.stdout, ran
     cpu_header = re.search(r"^CONTAINER_NAME=.*\nCONTAINER=\(.*\)$", cpu, flags=re.M)[0]
     removed = run_bash(f"{cpu_header}\n{remove}\nremove_containers", env, bin_dir)
     assert removed.returncode == 0 and not (tmp_path / "calls").exists(), removed  # no image: no srun at all

@@ -205,3 +205,29 @@ def test_a_job_in_the_image_that_loses_its_node_is_requeued_by_slurm_and_trains_
     print(f"\nslurm job {job} in the image (2 nodes): batch host {host} killed at step {killed_at} → Slurm requeued the job "
           f"onto {attempts[1]['nodes']}, which imported the image and resumed from step {attempts[1]['start_step']}; losses of "
           f"all 16 steps equal the host's run bit for bit; {time.time() - began:.0f} s")
+
+
+@pytest.mark.slow
+def test_an_image_file_enroot_cannot_start_ends_the_job_in_one_line_and_is_not_retried(pyxis_slurm, drill_flags, tmp_path):
+    """A --container-image that is not a squashfs file (here: a text file with the name of one): pyxis
+    fails the job's first step on every node with enroot's [ERROR]; the job ends there with one error:
+    line naming the image, the node and enroot's reason, exit code 2, before any attempt, not requeued
+    (--max-restarts 3 notwithstanding)."""
+    image = tmp_path / "fbt-megatron+26.06.sqsh"
+    image.write_text("not a squashfs file\n")
+    [(code, output)] = submit_many(tmp_path, [[
+        "submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "00:10:00",
+        "--container-image", str(image), "--runs-root", str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs"),
+        "--max-restarts", "3", "--", *map(str, drill_flags)]])
+    assert code == 0, output
+    [job] = job_ids(output)
+    with pytest.raises(AssertionError, match="ended FAILED"):
+        pyxis_slurm.wait_for(job, {"COMPLETED"}, timeout=300)
+    text = (tmp_path / "logs" / f"tiny_cpu-{job}.out").read_text()
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"error: --container-image {re.escape(str(image))} cannot start on node n[12]: Invalid image format: "
+        rf"{re.escape(str(image))} \(enroot\): give the path of a squashfs file made by enroot import, readable on every node "
+        r"\(docs/gpu.md#the-container\)", lines[0]), text
+    assert pyxis_slurm.job(job)["Restarts"] == "0" and not (tmp_path / "runs" / "tiny_cpu" / "jobs.jsonl").exists()
+    print(f"\n{lines[0]}")

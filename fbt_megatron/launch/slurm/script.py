@@ -229,6 +229,7 @@ def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: i
         python=res.python(python), environment=res.exports(), repository=shlex.quote(str(REPOSITORY)),
         policy=quoted(retries.args()), attempts=" ".join(attempts), image_check=image_check(stage, res), stop_seconds=stop_seconds(signal_seconds),
         device_connections=device_connections(stage.config), check_tasks=check_tasks(res), join_timeout=join_timeout,
+        image=shlex.quote(res.container_image or ""),
     )
 
 
