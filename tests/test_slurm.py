@@ -524,6 +524,23 @@ def test_the_image_check_on_a_gpu_node_initialises_cuda_and_counts_and_runs_the_
     assert touched == {"healthy": list(range(8)), "no kernel for it": [0, 1, 2, 3], "a wrong sum": [0]}.get(case, []), touched
 
 
+def test_the_failed_task_is_the_rank_a_signal_killed_whichever_line_srun_printed_first():
+    """Rank 1 killed (SIGKILL) takes rank 0 down with it (its connection closed: exit 1): srun prints the two
+    lines in the order it hears of them (CI once had rank 0's first, and the attempt blamed node n1 with exit 1).
+    The killed rank is the failed task either way; without a killed one, the first line; a SIGTERM'd rank
+    only followed."""
+    from fbt_megatron.launch import attempts
+
+    killed, follower = "srun: error: n2: task 1: Exited with exit code 137", "srun: error: n1: task 0: Exited with exit code 1"
+    for lines in ([killed, follower], [follower, killed], [follower, "srun: error: n3: task 2: Terminated", killed]):
+        assert attempts.failed_task("\n".join(["=== x: job 1 restart 0 on n[1-2]", *lines])) == {
+            "node": "n2", "task": "1", "exit_code": 137}, lines
+    assert attempts.failed_task(f"{follower}\nsrun: error: n2: task 1: Exited with exit code 1") == {
+        "node": "n1", "task": "0", "exit_code": 1}
+    assert attempts.failed_task("srun: error: n2: task 1: Killed") == {"node": "n2", "task": "1", "exit_code": 137}
+    assert attempts.failed_task("no task failed") is None
+
+
 def test_the_retry_budget_counts_failures_and_stalled_stops_but_not_slurms_requeues(tmp_path, monkeypatch, capsys):
     """``launch/attempts.py`` on a run folder, outside Slurm (no scontrol is called on these
     paths; requeues and exclusions are drilled on the real Slurm below): an attempt that never ended

@@ -4,7 +4,7 @@ Every start of the job (an attempt) is one line of ``<run folder>/jobs.jsonl``, 
 ends: ``{"job_id", "restart_count", "nodes", "start_time", "start_step", "end_time", "end_step",
 "exit_code", "ended", "next"}``, steps being the newest checkpoint's, and where known
 ``"rank_nodes"`` (the node of each rank, from the training's ``ranks.json``), ``"failed_task"``
-(``{"node", "task", "exit_code"}``: the first task srun saw fail), ``"stragglers"`` (the training's
+(``{"node", "task", "exit_code"}``: the task that failed first, a rank killed by a signal before those that followed it, ``failed_task``), ``"stragglers"`` (the training's
 ``stragglers.jsonl`` lines of this attempt) and ``"excluded"`` (the nodes excluded from the next
 start). ``exit_code`` is the first failed task's (the rank that failed, e.g. 137 for a rank killed
 by SIGKILL), not srun's (often the survivors' 143). ``ended``: ``finished``, ``stopped`` (a clean
@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 ATTEMPTS = "jobs.jsonl"
@@ -160,16 +161,30 @@ def observed(save: Path, this: dict, log: Path) -> dict:
     text = log.read_text(errors="replace") if log.is_file() else ""
     marker = f"restart {this['restart_count']} on"
     text = text[text.rfind(marker):] if marker in text else ""
-    first = re.search(r"^srun: error: (\S+): tasks? ([\d,-]+): (Exited with exit code (\d+)|Killed|Terminated)", text, flags=re.M)
-    if first:
-        code = int(first[4]) if first[4] else {"Killed": 128 + 9, "Terminated": 128 + 15}[first[3]]
-        found["failed_task"] = {"node": first[1], "task": first[2], "exit_code": code}
+    task = failed_task(text)
+    if task:
+        found["failed_task"] = task
     path = save / STRAGGLERS
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     named = [s for s in lines if s.get("time", "") >= this["start_time"]]
     if named:
         found["stragglers"] = named
     return found
+
+
+# srun's line for a task that failed. When one rank dies the others follow (a connection closed: exit 1; stopped:
+# SIGTERM, SIGINT), and srun prints their lines in the order it hears of them: a task killed by another signal
+# (SIGKILL from kill -9 or the OOM killer, SIGSEGV, SIGABRT, SIGBUS) is the cause whichever line came first.
+FAILED_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (Exited with exit code (\d+)|Killed|Terminated)", re.M)
+FOLLOWED = {128 + 15, 128 + 2}  # SIGTERM, SIGINT: how a stopped rank ends
+
+
+def failed_task(text: str) -> Optional[dict]:
+    """The task that failed first in an attempt's log: its node, task and exit code (None: no task failed)."""
+    tasks = [{"node": m[1], "task": m[2], "exit_code": int(m[4]) if m[4] else {"Killed": 128 + 9, "Terminated": 128 + 15}[m[3]]}
+             for m in FAILED_TASK.finditer(text)]
+    killed = [t for t in tasks if t["exit_code"] > 128 and t["exit_code"] not in FOLLOWED]
+    return (killed or tasks or [None])[0]
 
 
 def requeue(job: str, this: dict, exclude_stragglers: bool) -> str:
