@@ -2,8 +2,8 @@
 slurm/ and submit it with sbatch, after planning every stage for the requested nodes × GPUs
 (``--dry-run``: print the plans and scripts). ``serve EXPORT`` and ``evaluate MODEL ...``: a vLLM
 server, or an lm-eval table, on one GPU node. ``prepare``: a corpus tokenized over many nodes (a
-job array of shards, then their merge). Inside a job: ``python -m fbt_megatron.slurm
-torchrun ...`` and ``python -m fbt_megatron.slurm task ...`` start the training processes (``launch``)."""
+job array of shards, then their merge). ``goodput RUN ...``: where runs' jobs' node-hours went.
+Inside a job: ``python -m fbt_megatron.slurm torchrun ...`` and ``python -m fbt_megatron.slurm task ...`` start the training processes (``launch``)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,25 @@ def _job_options() -> argparse.ArgumentParser:
     return p
 
 
+def _restart_options(s: argparse.ArgumentParser) -> None:
+    """``submit``'s options of what a failed job does: restart in the job, on a spare, or requeued."""
+    s.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="restart a failed job (a crash, a killed rank, a hang) up to N times from one checkpoint: "
+                        "inside the allocation (torchrun launch; see --restart), else requeued away from the failed "
+                        "node where the partition has one to spare; exit code 2 (bad input) is never retried; a node "
+                        "lost is Slurm's requeue, not counted (default 3)")
+    s.add_argument("--restart", choices=("in-job", "requeue"), default="in-job",
+                   help="in-job: torchrun restarts the workers inside the allocation first (--launch torchrun), "
+                        "requeueing once those restarts are spent; requeue: every restart is a requeue (default in-job)")
+    s.add_argument("--spare-nodes", type=int, default=0, metavar="N",
+                   help="allocate N nodes more than the training's, waiting in torchrun's rendezvous: a node lost "
+                        "is replaced by one inside the allocation and the training continues on the same layout "
+                        "(--restart in-job, --launch torchrun; with none left, or the first node lost: requeued)")
+    s.add_argument("--exclude-stragglers", action="store_true",
+                   help="also keep the nodes the training named as stragglers (--straggler-threshold) out of the "
+                        "job's next start")
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m fbt_megatron.slurm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = p.add_subparsers(dest="command", required=True)
@@ -101,13 +120,7 @@ def parser() -> argparse.ArgumentParser:
                    help="training jobs take whole nodes (default; --no-exclusive needs --cpus-per-task)")
     s.add_argument("--procs-per-node", type=int, default=1, metavar="N",
                    help="training processes per node with --gpus-per-node 0 (CPU; default 1)")
-    s.add_argument("--max-restarts", type=int, default=3, metavar="N",
-                   help="requeue a failed job (a crash, a killed rank, a hang) up to N times from one checkpoint, "
-                        "away from the failed node where the partition has one to spare; exit code 2 (bad input) is "
-                        "never retried; a node lost is Slurm's requeue, not counted (default 3)")
-    s.add_argument("--exclude-stragglers", action="store_true",
-                   help="also keep the nodes the training named as stragglers (--straggler-threshold) out of the "
-                        "job's next start")
+    _restart_options(s)
     s.add_argument("--launch", choices=script.LAUNCHES, default="torchrun",
                    help="torchrun: one task per node running torchrun; tasks: one task per GPU (default torchrun)")
     s.add_argument("--rdzv-join-timeout", type=int, metavar="SECONDS",
@@ -143,6 +156,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--output-prefix", required=True, help="the merged PREFIX.bin/.idx (shards: PREFIX_shard-IIIII-of-NNNNN)")
     r.add_argument("--shards", type=int, required=True, help="array tasks, one shard of the inputs' files each")
     r.add_argument("--name", help="job name (default prepare-<output prefix name>)")
+    g = commands.add_parser("goodput", help="where the allocated node-hours of runs' Slurm jobs went: productive steps "
+                                            "and badput by cause (jobs.jsonl, timeline.jsonl)")
+    g.add_argument("runs", nargs="+", metavar="RUN", help="run folders (a chain's stages: its account is their sum)")
+    g.add_argument("--plot", metavar="PNG", help="also draw the accounts as stacked bars into this file")
     commands.add_parser("torchrun", help="inside a job: --stop-timeout SECONDS, then torchrun's command line: torchrun "
                                          "that waits that long for the workers' save on SIGTERM (--launch torchrun)")
     commands.add_parser("task", help="inside a job: one training process per task (--launch tasks)")
@@ -203,6 +220,11 @@ def run_submit(args, train_flags) -> int:
         raise RecipeError(f"--procs-per-node {args.procs_per_node}: give 1 or more, with --gpus-per-node 0 (GPU nodes run one per GPU)")
     if args.max_restarts < 0:
         raise RecipeError(f"--max-restarts {args.max_restarts}: give 0 (no retries) or more")
+    if args.spare_nodes < 0:
+        raise RecipeError(f"--spare-nodes {args.spare_nodes}: give 0 or more")
+    if args.spare_nodes and (args.launch != "torchrun" or args.restart != "in-job"):
+        raise RecipeError(f"--spare-nodes {args.spare_nodes}: spares take a lost node's place in torchrun's rendezvous: "
+                          "use them with --launch torchrun and --restart in-job (the defaults)")
     if args.rdzv_join_timeout is not None and args.launch != "torchrun":
         raise RecipeError("--rdzv-join-timeout: the rendezvous of --launch torchrun; --launch tasks has none")
     if args.rdzv_join_timeout is not None and args.rdzv_join_timeout < 1:
@@ -238,10 +260,15 @@ def run_submit(args, train_flags) -> int:
     check = preflight.plan_stages(stages, res, GPUS.get(args.gpu), args.gpu_memory_gb, args.fit_global_batch,
                                   args.signal_margin)
     check.problems += preflight.environment_problems(res, sys.executable)
+    paths = [path for s in stages for path in preflight.stage_paths(s)]
+    paths += [("--runs-root", str(runs_root))] if args.eval_args is not None else []  # the export + evaluation job's
+    check.problems += dict.fromkeys(preflight.mount_problems(res, paths, Path.cwd()))  # a path the stages share: once
     preflight.refuse_on(check, "; the flags of one stage of a chain: --stage-args STAGE='FLAGS'" if args.chain else "")
     eval_args = shlex.split(args.eval_args or "") if args.chain else None
     submit.submit(stages, res, args.launch, args.signal_margin, eval_args, runs_root, args.dry_run,
-                  script.Retries(args.max_restarts, args.exclude_stragglers), args.rdzv_join_timeout or script.JOIN_TIMEOUT)
+                  script.Retries(args.max_restarts, args.exclude_stragglers, in_job=args.restart == "in-job" and args.launch == "torchrun",
+                                 spare_nodes=args.spare_nodes),
+                  args.rdzv_join_timeout or script.JOIN_TIMEOUT)
     return 0
 
 
@@ -253,7 +280,9 @@ def run_serve(args, serve_args) -> int:
         raise RecipeError(f"--port {args.port}: give a port number (1-65535)")
     export = Path(args.export)
     problems = preflight.model_problems([args.export], exports_only=True)
-    preflight.refuse_on(preflight.Check(problems=problems + preflight.environment_problems(res, sys.executable, vllm=True)))
+    problems += preflight.environment_problems(res, sys.executable, vllm=True)
+    problems += preflight.mount_problems(res, [("export", args.export)], Path.cwd())
+    preflight.refuse_on(preflight.Check(problems=problems))
     name = args.name or f"serve-{export.resolve().name}"
     job = script.serve_script(name, export.resolve(), args.port, serve_args, res, Path.cwd(), sys.executable)
     submit.submit_jobs([(name, job)], res.log_dir, args.dry_run)
@@ -267,6 +296,7 @@ def run_evaluate(args, eval_args) -> int:
     output = Path(args.output).resolve()
     problems = preflight.model_problems(args.models)
     problems += preflight.environment_problems(res, sys.executable, vllm=args.backend == "vllm")
+    problems += preflight.mount_problems(res, [*(("model", m) for m in args.models), ("--output", str(output.parent))], Path.cwd())
     preflight.refuse_on(preflight.Check(problems=problems))
     name = args.name or f"eval-{output.stem}"
     job = script.export_eval_script(name, [Path(m).resolve() for m in args.models], output.parent / "exports", output,
@@ -276,14 +306,38 @@ def run_evaluate(args, eval_args) -> int:
 
 
 def run_prepare(args, tool_args) -> int:
-    from fbt_megatron.launch.slurm import prepare, submit
+    from fbt_megatron.launch.slurm import preflight, prepare, submit
 
     res = resources(args, 1, 0)
     prepare.check(args.input, args.tokenizer, args.output_prefix, args.shards)
+    paths = [*(("--input", i) for i in args.input), ("--tokenizer", args.tokenizer), ("--output-prefix", args.output_prefix)]
+    preflight.refuse_on(preflight.Check(problems=preflight.environment_problems(res, sys.executable)
+                                        + preflight.mount_problems(res, paths, Path.cwd())))
     name = args.name or f"prepare-{Path(args.output_prefix).name}"
     jobs = prepare.jobs(name, args.input, args.tokenizer, args.output_prefix, args.shards, tool_args, res, Path.cwd(),
                         sys.executable)
     submit.submit_jobs(jobs, res.log_dir, args.dry_run)
+    return 0
+
+
+def run_goodput(args, rest) -> int:
+    from fbt_megatron.launch import goodput
+
+    if rest:
+        raise RecipeError(f"goodput takes no flags after --: {' '.join(rest)}")
+    columns, total = {}, goodput.Account()
+    for run in map(Path, args.runs):
+        if not (run / "jobs.jsonl").is_file():
+            raise RecipeError(f"{run}: no jobs.jsonl: not the run folder of a Slurm training job (python -m fbt_megatron.slurm submit)")
+        for job, account in goodput.job_accounts(run).items():
+            columns[f"{run.name} job {job}"] = account
+            total.add(account)
+    if len(columns) > 1:
+        columns["all" if len(args.runs) == 1 else "chain"] = total
+    print(goodput.table(columns))
+    if args.plot:
+        goodput.plot(columns, Path(args.plot))
+        print(f"plot: {args.plot}")
     return 0
 
 
@@ -297,7 +351,8 @@ def main(argv=None) -> int:
         return launch.task(argv[1:])
     ours, passed = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser().parse_args(ours)
-    return {"submit": run_submit, "serve": run_serve, "evaluate": run_evaluate, "prepare": run_prepare}[args.command](args, passed)
+    commands = {"submit": run_submit, "serve": run_serve, "evaluate": run_evaluate, "prepare": run_prepare, "goodput": run_goodput}
+    return commands[args.command](args, passed)
 
 
 if __name__ == "__main__":

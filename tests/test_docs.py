@@ -37,7 +37,7 @@ LINKED = [ROOT / "recipes" / "README.md", ROOT / "slurm" / "README.md"]  # linke
 # Pages linked before their branch is merged (h-vllm, h-evidence): delete a name once its page exists.
 PENDING = set()
 # Flags of programs whose parser is not in this process (sbatch options quoted from the job script).
-FOREIGN_FLAGS = {"--requeue", "--open-mode", "--signal", "--dependency",  # sbatch's
+FOREIGN_FLAGS = {"--requeue", "--open-mode", "--signal", "--dependency", "--no-kill",  # sbatch's
                  "--kill-on-bad-exit", "--wait", "--batch",  # srun's, scancel's
                  "--no-enable-chunked-prefill", "--hf-overrides", "--enforce-eager",  # vllm serve's
                  "--kv-cache-memory-bytes", "--gpu-memory-utilization",  # vllm serve's

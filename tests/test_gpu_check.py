@@ -118,7 +118,9 @@ def test_the_two_node_command_has_a_batch_that_fits(nodes, gpus, tmp_path):
 
 def test_the_preflight_accepts_the_two_node_job(tmp_path):
     """``slurm submit --dry-run``: the preflight (batch_fit, the plan, the image) on 2 x 8 GPUs, nothing queued."""
-    command = slurm_job.job_command(2, 8, tmp_path / "runs", tmp_path / "logs", ["--container-image", "/images/fbt.sqsh"])
+    image = tmp_path / "fbt.sqsh"
+    image.write_text("")  # the preflight checks that an image file exists
+    command = slurm_job.job_command(2, 8, tmp_path / "runs", tmp_path / "logs", ["--container-image", str(image)])
     split = command.index("--")
     done = subprocess.run([*command[:split], "--dry-run", *command[split:]], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)

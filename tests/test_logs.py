@@ -26,6 +26,7 @@ PRODUCT = {
     "launch/rehearsal/vllm_check.py": {"main"},  # the JSON result its parent reads
     "launch/slurm/submit.py": {"submit_jobs"},  # the job scripts (--dry-run), the jobs submitted
     "plan.py": {"main"},  # the plan
+    "slurm.py": {"run_goodput"},  # the goodput table
     "studies.py": {"main"},  # the plan, the report's table
 }
 # run by path under the host's python3, without the package: their lines are the job log's

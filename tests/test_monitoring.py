@@ -61,6 +61,9 @@ NO_KEY = ("error: --wandb-project fbt-tests: W&B's online mode needs an API key 
           "netrc entry from wandb login): set WANDB_API_KEY, or use --wandb-mode offline (wandb sync uploads the run later)")
 
 
+GOODPUT = [{"productive": 10.0, "start-up": 5.5}, {"productive": 2.5, "in-job restarts": 4.0}]
+
+
 @pytest.fixture(scope="module")
 def runs(small_corpus, tmp_path_factory, monkeypatch_module):
     """The one-process runs of this module (tests/forked.py), W&B offline and without an API key:
@@ -78,6 +81,8 @@ def runs(small_corpus, tmp_path_factory, monkeypatch_module):
         "crash": [*_flags(small_corpus, base / "crash"), "--train-iters", "6", "--save-interval", "3", "--heartbeat-interval", "0",
                   "--inject-fault", "crash@4"],
     }
+    folder.mkdir()  # a Slurm job's record of its attempts' goodput (launch/attempts.py): the resumed W&B run's summary
+    (folder / "jobs.jsonl").write_text("".join(json.dumps({"job_id": 3, "goodput": g}) + "\n" for g in GOODPUT))
     codes = run_commands("fbt_megatron.train", [(list(map(str, argv)), base / f"{name}.log", None) for name, argv in commands.items()])
     return base, {name: (code, (base / f"{name}.log").read_text()) for name, code in zip(commands, codes)}
 
@@ -126,7 +131,7 @@ def test_wandb_offline_run_is_resumed_and_holds_the_tensorboard_scalars(wandb_ru
     run_id = (wandb_run / "wandb_run_id").read_text().strip()
     runs = sorted((wandb_run / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), (run_id, runs)  # the resume: the same run
-    history, config, names = {}, None, []
+    history, config, names, summary = {}, None, [], {}
     for run in runs:
         [file] = run.glob(f"run-{run_id}.wandb")
         for record in wandb_records(file):
@@ -134,10 +139,14 @@ def test_wandb_offline_run_is_resumed_and_holds_the_tensorboard_scalars(wandb_ru
             if kind == "history":
                 row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
                 history[row.pop("_step")] = {k: v for k, v in row.items() if not k.startswith("_")}
+            elif kind == "summary":
+                summary.update({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update})
             elif kind == "run":
                 names.append((record.run.project, record.run.display_name, record.run.run_id))
                 config = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.run.config.update}
     assert names == [("fbt-tests", "offline-check", run_id)] * 2
+    assert {k: v for k, v in summary.items() if k.startswith("goodput/")} == {  # the Slurm job's attempts so far
+        "goodput/productive seconds": 12.5, "goodput/start-up seconds": 5.5, "goodput/in-job restarts seconds": 4.0}
     assert config["training"]["train_iters"] == ITERS and config["passes"]["pass_phases"] == [{"start": 0.0, "passes": 2}]
     records = read_metrics(wandb_run)
     assert [r["step"] for r in records] == sorted(history) == [2, 4]

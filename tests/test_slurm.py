@@ -28,6 +28,7 @@ from test_train import SMALL
 from fbt_megatron.launch.plan.planner import batch_fit
 from fbt_megatron.recipe import load_recipe
 from fbt_megatron.trainer import checkpointing
+from fbt_megatron.trainer.callbacks.timeline import read_timeline
 from fbt_megatron.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
@@ -97,6 +98,13 @@ EVERY_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --n
 IMAGE = "/shared/images/fbt-megatron+26.06.sqsh"  # the project's image (docs/gpu.md#the-container)
 STOCK = "nvcr.io/nvidia/pytorch:26.06-py3"  # NVIDIA's, as it ships
 SIF = "/shared/images/fbt-megatron+26.06.sif"  # the project's image for Apptainer (apptainer build ... docker-daemon://…)
+
+
+def images(tmp: Path):
+    """The image files of the dry runs (``dry_runs``): pyxis's squashfs file and Apptainer's .sif."""
+    return tmp / "images" / "fbt-megatron+26.06.sqsh", tmp / "images" / "fbt-megatron+26.06.sif"
+
+
 BAD = {  # the one line a mistake gets: (the line contains, the command after "submit")
     "--recipe missing.yaml": ["--recipe", "missing.yaml", "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00"],
     "--nodes 0": ["--recipe", str(TINY), "--nodes", "0", "--gpus-per-node", "0", "--time", "01:00:00"],
@@ -117,6 +125,11 @@ BAD = {  # the one line a mistake gets: (the line contains, the command after "s
                                         "--stage-args", "sft=--train-iters 3"],
     "--container-runtime apptainer: the runtime of --container-image; give the image": [
         "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--container-runtime", "apptainer"],
+    "--spare-nodes -1: give 0 or more": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                                         "--spare-nodes", "-1"],
+    "--spare-nodes 1: spares take a lost node's place in torchrun's rendezvous: use them with --launch torchrun and "
+    "--restart in-job": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--spare-nodes",
+                         "1", "--restart", "requeue"],
     "--rdzv-join-timeout 0: give 1 or more seconds": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time",
                                                       "01:00:00", "--rdzv-join-timeout", "0"],
     "--rdzv-join-timeout: the rendezvous of --launch torchrun; --launch tasks has none": [
@@ -144,18 +157,24 @@ def dry_runs(tmp_path_factory):
         path.write_text("")  # only their presence is checked before submitting
     data["export"].mkdir()
     (data["export"] / "config.json").write_text("{}")
+    image, sif = images(tmp)
+    image.parent.mkdir()
+    for path in (image, sif):
+        path.write_text("")  # preflight checks that an image file exists; what is in it, the job's first step
+    mount = f"{tmp}:{tmp}"  # the runs and data of these jobs (outside the checkout, the container's own mount)
     refusals = {name: planner_refusal(name, 64) for name in PAPER_CHAIN[:2]}  # sft's batch of 64 divides over DP 32
     suggested = {name: re.search(r"--global-batch-size \d+ --train-iters \d+", line)[0] for name, line in refusals.items()}
 
     tiny = ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "4", "--time", "04:00:00", "--partition", "gpu",
-            "--account", "proj", "--container-image", IMAGE, "--container-mounts", "/data:/data", "--sbatch-option=--qos=high",
+            "--account", "proj", "--container-image", image, "--container-mounts", "/data:/data", "--container-mounts", mount,
+            "--sbatch-option=--qos=high",
             "--env", "NCCL_SOCKET_IFNAME=ib0", "--runs-root", str(tmp / "runs"), "--log-dir", str(tmp / "logs"), "--dry-run"]
     chain = ["submit", "--chain", *(str(ROOT / "recipes" / f"{n}.yaml") for n in PAPER_CHAIN), "--nodes", "8",
              "--gpus-per-node", "8", "--gpu", "h100", "--time", "04:00:00", "--runs-root", str(tmp / "runs" / "1b"), "--dry-run"]
     data_args = ["--stage-args", f"fbt_1b_100b=--train-data-path [{data['web']}]",
                  "--stage-args", f"longctx_32k=--train-data-path [{data['long']}]",
                  "--stage-args", f"sft=--train-data-path [{data['chat']}] --valid-data-path [{data['chat_valid']}]",
-                 "--container-image", IMAGE, "--", "--tokenizer-model", str(data["tokenizer"])]
+                 "--container-image", image, "--container-mounts", mount, "--", "--tokenizer-model", str(data["tokenizer"])]
     cases = {
         "torchrun": [*tiny, "--", "--train-iters", "7", "--micro-batch-size", "2"],
         "tasks": [*tiny, "--launch", "tasks", "--exit-margin", "10", "--no-exclusive", "--cpus-per-task", "12",
@@ -166,33 +185,51 @@ def dry_runs(tmp_path_factory):
         "join timeout": ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "01:00:00",
                          "--rdzv-join-timeout", "2400", "--runs-root", str(tmp / "runs" / "join"), "--log-dir", str(tmp / "logs"),
                          "--dry-run"],
+        "spares": ["submit", "--recipe", str(TINY), "--nodes", "2", "--spare-nodes", "1", "--gpus-per-node", "0", "--time",
+                   "01:00:00", "--runs-root", str(tmp / "runs" / "spares"), "--log-dir", str(tmp / "logs"), "--dry-run"],
         "cpu image": ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "01:00:00",
-                      "--container-image", IMAGE, "--runs-root", str(tmp / "runs" / "cpu-image"), "--log-dir", str(tmp / "logs"),
+                      "--container-image", image, "--container-mounts", mount, "--runs-root", str(tmp / "runs" / "cpu-image"), "--log-dir", str(tmp / "logs"),
                       "--dry-run"],
         "apptainer": ["submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "4", "--time", "01:00:00",
-                      "--container-image", SIF, "--container-runtime", "apptainer", "--container-mounts", "/data:/data",
+                      "--container-image", sif, "--container-runtime", "apptainer", "--container-mounts", "/data:/data",
+                      "--container-mounts", mount,
                       "--runs-root", str(tmp / "runs" / "apptainer"), "--log-dir", str(tmp / "logs"), "--dry-run", "--",
                       "--micro-batch-size", "2"],
         "missing data": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--dry-run",
                          "--", "--train-data-path", f"[{tmp / 'missing'}]", "--tokenizer-model", str(data["tokenizer"])],
         "paper chain": chain,
         "memory": ["submit", "--recipe", str(ROOT / "recipes" / "fbt_1b_100b.yaml"), "--nodes", "1", "--gpus-per-node", "4",
-                   "--gpu-memory-gb", "24", "--time", "04:00:00", "--container-image", IMAGE, "--dry-run", "--",
+                   "--gpu-memory-gb", "24", "--time", "04:00:00", "--container-image", image, "--container-mounts", mount,
+                   "--dry-run", "--",
                    "--tensor-model-parallel-size", "1", "--sequence-parallel", "false", "--train-data-path", f"[{data['web']}]",
                    "--tokenizer-model", str(data["tokenizer"])],
         "suggested": [*chain, *(a for name, flags in suggested.items() for a in ("--stage-args", f"{name}={flags}")), *data_args],
         "fitted": [*chain, "--fit-global-batch", *data_args],
-        "serve": ["serve", str(data["export"]), "--time", "08:00:00", "--partition", "gpu", "--container-image", IMAGE,
+        "serve": ["serve", str(data["export"]), "--time", "08:00:00", "--partition", "gpu", "--container-image", image,
+                  "--container-mounts", mount,
                   "--port", "8100", "--log-dir", str(tmp / "logs"), "--dry-run", "--", "--max-model-len", "512"],
         "serve placeholder": ["serve", "/path/to/export", "--time", "08:00:00", "--dry-run"],
         "stock image": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
                         "--container-image", STOCK, "--dry-run"],
         "serve stock image": ["serve", str(data["export"]), "--time", "01:00:00", "--container-image", "nvcr.io#nvidia/pytorch:26.06-py3",
                               "--dry-run"],
-        "serve cpu": ["serve", str(data["export"]), "--time", "01:00:00", "--gpus", "0", "--container-image", IMAGE,
+        "serve cpu": ["serve", str(data["export"]), "--time", "01:00:00", "--gpus", "0", "--container-image", image,
+                      "--container-mounts", mount,
                       "--log-dir", str(tmp / "logs"), "--dry-run"],
         "evaluate": ["evaluate", str(data["export"]), "--output", str(tmp / "eval" / "x.md"), "--time", "01:00:00",
-                     "--container-image", IMAGE, "--log-dir", str(tmp / "logs"), "--dry-run", "--", "--modes", "standard"],
+                     "--container-image", image, "--container-mounts", mount, "--log-dir", str(tmp / "logs"), "--dry-run", "--",
+                     "--modes", "standard"],
+        "missing image": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                          "--container-image", str(image.with_name("nope.sqsh")), "--dry-run"],
+        "placeholder sif": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                            "--container-image", "/path/to/fbt.sif", "--container-runtime", "apptainer", "--dry-run"],
+        "registry": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                     "--container-image", "registry.example.org#fbt/fbt-megatron:26.06", "--dry-run"],
+        "unmounted": ["submit", "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
+                      "--container-image", image, "--runs-root", str(tmp / "scratch" / "runs"), "--dry-run", "--",
+                      "--tokenizer-model", str(data["tokenizer"])],
+        "unmounted evaluate": ["evaluate", str(data["export"]), "--output", str(tmp / "eval" / "x.md"), "--time", "01:00:00",
+                               "--container-image", image, "--dry-run"],
         **{bad: ["submit", *argv] for bad, argv in BAD.items()},
     }
     results = submit_many(tmp, list(cases.values()))
@@ -213,24 +250,35 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
     cases, tmp, _, _ = dry_runs
     (code_torchrun, torchrun), (code_tasks, tasks) = cases["torchrun"], cases["tasks"]
     assert code_torchrun == 0 and code_tasks == 0, torchrun + tasks
-    save = tmp / "runs" / "tiny_cpu"
+    save, (image, _) = tmp / "runs" / "tiny_cpu", images(tmp)
     [torchrun], [tasks] = scripts(torchrun).values(), scripts(tasks).values()
     for script in (torchrun, tasks):
         for line in ["#SBATCH --nodes=2", "#SBATCH --time=04:00:00", "#SBATCH --requeue", "#SBATCH --open-mode=append",
                      f"#SBATCH --output={tmp}/logs/tiny_cpu-%j.out", "#SBATCH --signal=B:USR1@180",
                      "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --gpus-per-node=4", "#SBATCH --qos=high",
-                     f"CONTAINER=(--container-image={IMAGE} --container-mounts={ROOT}:{ROOT},/data:/data", f"SAVE={save}",
-                     "POLICY=(--max-restarts 3)", f"ATTEMPTS=(python3 {ROOT}/fbt_megatron/launch/attempts.py)", '"${ATTEMPTS[@]}" end',
+                     f"CONTAINER=(--container-image={image} --container-mounts={ROOT}:{ROOT},/data:/data,{tmp}:{tmp}",
+                     f"SAVE={save}",
+                     f"ATTEMPTS=(python3 {ROOT}/fbt_megatron/launch/attempts.py)", '"${ATTEMPTS[@]}" end',
                      "--kill-on-bad-exit=1", "# (TP 1, CP 1: CUDA_DEVICE_MAX_CONNECTIONS not set)",
                      "export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}", "export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}",
                      "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}$" "{PYTHONPATH:+:$PYTHONPATH}",
                      'srun --cpus-per-task="$CPUS_PER_TASK"', 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK"',
                      f'CHECK=$(srun {EVERY_NODE} "${{CONTAINER[@]}}" python {ROOT}/fbt_megatron/launch/slurm/image_check.py '
-                     f"--image {IMAGE} --gpus 4 2>&1)\nCHECKED=$?", "[[ $CHECKED != 2 ]] || { remove_containers; exit 2; }"]:
+                     f"--image {image} --gpus 4 2>&1)\nCHECKED=$?", "[[ $CHECKED != 2 ]] || { remove_containers; exit 2; }"]:
             assert line in script, line
         assert script.index("image_check.py") < script.index('"${ATTEMPTS[@]}" start')  # the first step, before any attempt
         assert script.index("#SBATCH --qos=high") < script.index("set -uo pipefail")  # extra lines among the directives
         assert script.index("NCCL_IB_TIMEOUT") < script.index("NCCL_SOCKET_IFNAME=ib0")  # --env after the defaults: it wins
+    # in-job restarts: torchrun may restart the workers as often as the budget left says (attempts.py start); the tasks
+    # launch has no agent to restart them: every restart is a requeue
+    assert "POLICY=(--max-restarts 3 --in-job)" in torchrun and "POLICY=(--max-restarts 3)" in tasks
+    assert 'IN_JOB=$("${ATTEMPTS[@]}" start "$SAVE" "${POLICY[@]}" --job-start "$JOB_START") || exit 1' in torchrun
+    assert '--nnodes=2 --nproc-per-node="$PROCS_PER_NODE" --max-restarts="$IN_JOB" ' in torchrun
+    assert "--kill-on-bad-exit=1 " in torchrun and "#SBATCH --no-kill" not in torchrun and "#SBATCH --nodes=2\n" in torchrun
+    [spares] = scripts(cases["spares"][1]).values()  # 2 training nodes and a spare: the job and its step outlive a lost node
+    assert "#SBATCH --nodes=3\n" in spares and "#SBATCH --no-kill\n" in spares and spares.count("--kill-on-bad-exit") == 1  # tasks
+    assert 'srun --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --no-kill ' in spares and " --nnodes=2 " in spares
+    assert "if (( 1 > 0 )); then\n    trap 'STOP=lost;" in spares and "if (( 0 > 0 )); then\n" in torchrun  # the lost-node watch
     assert "#SBATCH --exclusive" in torchrun and "--cpus-per-task=" not in torchrun.split("set -uo")[0]
     assert "CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-$((SLURM_CPUS_ON_NODE / 1))}" in torchrun  # the node's CPUs to torchrun
     assert "#SBATCH --cpus-per-task=12" in tasks and "#SBATCH --exclusive" not in tasks
@@ -305,8 +353,9 @@ def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_th
         plans[case] = [line for line in output.splitlines() if ": plan: " in line]
         assert [line.split(":")[0] for line in plans[case]] == PAPER_CHAIN
         checks = {name: re.search(r"image_check.py (.*) 2>&1", jobs[name])[1] for name in PAPER_CHAIN}
-        assert checks == {"fbt_1b_100b": f"--image {IMAGE} --gpus 8", "longctx_32k": f"--image {IMAGE} --gpus 8 --context-parallel",
-                          "sft": f"--image {IMAGE} --gpus 8"}, checks  # context parallelism: Transformer Engine attention
+        image, _ = images(tmp)
+        assert checks == {"fbt_1b_100b": f"--image {image} --gpus 8", "longctx_32k": f"--image {image} --gpus 8 --context-parallel",
+                          "sft": f"--image {image} --gpus 8"}, checks  # context parallelism: Transformer Engine attention
         connections = {name: re.search(r"^export CUDA_DEVICE_MAX_CONNECTIONS=(.*)$", jobs[name], flags=re.M)[1] for name in PAPER_CHAIN}
         assert connections == {name: f"${{CUDA_DEVICE_MAX_CONNECTIONS:-1}}  # TP 2, CP {cp}" for name, cp in
                                zip(PAPER_CHAIN, (1, 2, 1))}, connections  # tensor (and context) parallelism: one queue
@@ -364,6 +413,36 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
     assert lines[-1].startswith(f"error: nothing submitted: {len(lines) - 1} problem")
 
 
+def test_a_container_job_whose_image_file_or_paths_it_would_not_find_is_refused_before_it_queues(dry_runs):
+    """An image given as a file that does not exist (or a placeholder) is refused before it queues,
+    not after the queue wait; a registry reference is the runtime's to import. Every path a container
+    job reads or writes (its run folder, data, tokenizer; an export, an evaluation's output) must be
+    inside a folder mounted at its own path: each one outside gets the mount to add."""
+    cases, tmp, data, _ = dry_runs
+    image, _ = images(tmp)
+    refusals = {case: (cases[case][0], cases[case][1].splitlines()) for case in
+                ("missing image", "placeholder sif", "unmounted", "unmounted evaluate")}
+    missing = image.with_name("nope.sqsh")
+    assert refusals["missing image"] == (2, [
+        f"error: --container-image {missing}: no such file (expected: a squashfs file made by enroot import, at a path every "
+        f"node reads (docs/gpu.md#the-container); relative paths start at {ROOT})",
+        "error: nothing submitted: 1 problem (the lines above)"]), refusals
+    assert refusals["placeholder sif"] == (2, [
+        "error: --container-image /path/to/fbt.sif is a placeholder: give a .sif file made by apptainer build, at a path every "
+        "node reads (docs/gpu.md#the-container)", "error: nothing submitted: 1 problem (the lines above)"]), refusals
+    code, output = cases["registry"]
+    assert code == 0 and "'--container-image=registry.example.org#fbt/fbt-megatron:26.06' " in output, output
+    outside = "is not mounted in the container (it mounts {}): add --container-mounts {}:{}"
+    assert refusals["unmounted"] == (2, [
+        f"error: --save {tmp}/scratch/runs/tiny_cpu " + outside.format(ROOT, tmp, tmp),  # the nearest folder that exists
+        f"error: data.tokenizer_model {data['tokenizer']} " + outside.format(ROOT, *[data["tokenizer"].parent] * 2),
+        "error: nothing submitted: 2 problems (the lines above)"]), refusals
+    assert refusals["unmounted evaluate"] == (2, [
+        f"error: model {data['export']} " + outside.format(ROOT, *[data["export"]] * 2),
+        f"error: --output {tmp}/eval " + outside.format(ROOT, tmp, tmp),
+        "error: nothing submitted: 2 problems (the lines above)"]), refusals
+
+
 def run_bash(script: str, env: dict, path=None) -> subprocess.CompletedProcess:
     """``script`` in ``bash -u`` with only ``env`` (and PATH: ``path`` first)."""
     paths = [str(path)] if path else []
@@ -381,7 +460,8 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
     (--rdzv-join-timeout) for every node's torchrun. Named containers outlive the job where pyxis's
     container_scope is global (its default): the job removes its own on its nodes (``enroot`` and
     ``srun`` stand-ins here)."""
-    cases, _, _, _ = dry_runs
+    cases, tmp, _, _ = dry_runs
+    image, sif = images(tmp)
     [torchrun], [tasks], [cpu_image], [apptainer] = (scripts(cases[name][1]).values()
                                                      for name in ("torchrun", "tasks", "cpu image", "apptainer"))
     [(join_code, join_output), (cpu_code, cpu_output)] = cases["join timeout"], cases["sockets"]
@@ -394,22 +474,22 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
         # the removal (on the host), the check, the training (torchrun's or the tasks'): each in the attempt's container
         assert ['"${CONTAINER[@]}"' in line for line in steps] == [False, True, True, True], steps
         assert steps[1].startswith(f'CHECK=$(srun {EVERY_NODE} "${{CONTAINER[@]}}" python '), steps
-    assert "image_check.py --image /shared/images/fbt-megatron+26.06.sqsh --gpus 4 2>&1" in torchrun + tasks
-    assert "image_check.py --image /shared/images/fbt-megatron+26.06.sqsh 2>&1" in cpu_image  # CPU nodes: imports only
+    assert f"image_check.py --image {image} --gpus 4 2>&1" in torchrun + tasks
+    assert f"image_check.py --image {image} 2>&1" in cpu_image  # CPU nodes: imports only
     assert '--rdzv-id="$SLURM_JOB_ID" --rdzv-conf=join_timeout=1800 \\\n' in torchrun
     assert "--rdzv-conf=join_timeout=2400 \\\n" in join
     # Apptainer (--container-runtime apptainer): every step runs `apptainer exec` of the .sif file (GPUs with --nv), the
     # same mounts and work folder; nothing kept per node, so no name and nothing to remove
-    exec_ = (f"CONTAINER=(apptainer exec --nv --bind {ROOT}:{ROOT},/data:/data --pwd {ROOT} {SIF})\n")
+    exec_ = (f"CONTAINER=(apptainer exec --nv --bind {ROOT}:{ROOT},/data:/data,{tmp}:{tmp} --pwd {ROOT} {sif})\n")
     assert "CONTAINER_NAME=''\n" + exec_ in apptainer and "--container-image=" not in apptainer, apptainer
     steps = [line for line in apptainer.splitlines() if re.match(r"\s*(CHECK=\$\(|TORCH_CPP_LOG_LEVEL=ERROR |timeout \d+ )?srun ", line)]
     assert ['"${CONTAINER[@]}" python ' in line for line in steps] == [False, True, True, True], steps
-    assert f"image_check.py --image {SIF} --gpus 4 2>&1" in apptainer
+    assert f"image_check.py --image {sif} --gpus 4 2>&1" in apptainer
     for script in (cpu, join):  # the host's Python on CPU nodes: no container, the check on the first node
         assert "CONTAINER_NAME=''\nCONTAINER=()\n" in script and "--container-name" not in script
         assert f'CHECK=$(srun --nodes=1 --ntasks=1 "${{CONTAINER[@]}}" {sys.executable} {ROOT}/fbt_megatron/launch/slurm/image_check.py 2>&1)' in script
     assert torchrun.index("remove_containers\nCHECK=$(srun") < torchrun.index("image_check.py --image") < torchrun.index('"${ATTEMPTS[@]}" start')
-    assert re.search(r'^CODE=\$\?\n+(#.*\n)+remove_containers\n(#.*\n)+"\$\{ATTEMPTS\[@\]\}" end ', torchrun, flags=re.M), torchrun
+    assert re.search(r'^CODE=\$\?\n.*WATCH.*\n+(#.*\n)+remove_containers\n(#.*\n)+"\$\{ATTEMPTS\[@\]\}" end ', torchrun, flags=re.M), torchrun
     assert torchrun.rstrip().endswith('"${POLICY[@]}" --log "$LOG"')  # its exit code the job's
 
     # the name each attempt gets, and what the removal takes: this job's, either container_scope's, nothing else
@@ -439,9 +519,9 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
     # missing file, or not a squashfs file): one error: line, exit 2 (not retried); a registry out of reach: retried
     check = re.search(r"^remove_containers\nCHECK=.*?^# ----$", torchrun, flags=re.M | re.S)[0]
     pyxis = {"missing": ["slurmstepd-n2: error: pyxis: child 227 failed with error code: 1",
-                         "slurmstepd-n2: error: pyxis: failed to create container filesystem for image: " + IMAGE,
+                         "slurmstepd-n2: error: pyxis: failed to create container filesystem for image: " + str(image),
                          "slurmstepd-n2: error: pyxis: printing enroot log file:",
-                         f"slurmstepd-n2: error: pyxis:     [ERROR] No such file or directory: {IMAGE}",
+                         f"slurmstepd-n2: error: pyxis:     [ERROR] No such file or directory: {image}",
                          "slurmstepd-n2: error: spank: required plugin spank_pyxis.so: task_init() failed with rc=-1",
                          "srun: error: n2: task 1: Exited with exit code 1"],
              "registry": ["slurmstepd-n1: error: pyxis: failed to import docker image: nvcr.io#nvidia/x:1",
@@ -453,7 +533,7 @@ def test_a_container_job_imports_the_image_once_per_node_and_attempt_and_removes
         ran = run_bash(f"{header}\n{remove}\n{check}\necho continued", {**env, "PYXIS": str(tmp_path / case)}, bin_dir)
         if case == "missing":
             assert ran.returncode == 2 and ran.stdout.splitlines() == [
-                f"error: --container-image {IMAGE} cannot start on node n2: No such file or directory: {IMAGE} (enroot): give "
+                f"error: --container-image {image} cannot start on node n2: No such file or directory: {image} (enroot): give "
                 "the path of a squashfs file made by enroot import, readable on every node (docs/gpu.md#the-container)"], ran
         else:  # left to the training step and its retry budget, pyxis's lines shown
             assert ran.returncode == 0 and ran.stdout.splitlines()[-1] == "continued" and "curl: (6)" in ran.stdout, ran
@@ -555,9 +635,9 @@ def test_the_retry_budget_counts_failures_and_stalled_stops_but_not_slurms_reque
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     for restart in range(2):  # two starts that never said how they ended: their node failed
         monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
-        attempts.start(run)
+        attempts.start(run, 3, False)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    attempts.start(run)
+    attempts.start(run, 3, False)
     assert [a.get("ended") for a in attempts.read(run)] == ["lost", "lost", None]
     assert attempts.failures(attempts.read(run), 0) == 0  # Slurm's requeues: not failures
     log = tmp_path / "job.out"
@@ -565,19 +645,41 @@ def test_the_retry_budget_counts_failures_and_stalled_stops_but_not_slurms_reque
     code = attempts.end(run, 0, "limit", train_iters=8, max_restarts=0, log=log)  # stopped at step 0 again
     last = attempts.read(run)[-1]
     assert (code, last["ended"], last["next"], last["end_step"]) == (1, "stopped", "gave up", 0), last
-    assert ("=== stopped at step 0 of 8: not requeued, 1 of this job's attempts failed or stopped without a checkpoint "
+    assert ("=== stopped at step 0 of 8: not requeued, 1 of this job's starts failed or stopped without a checkpoint "
             "since step 0 was checkpointed (--max-restarts 0) ===") in capsys.readouterr().out
     monkeypatch.setenv("SLURM_JOB_ID", "8")  # submitted again: a budget of its own
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    attempts.start(run)
+    attempts.start(run, 3, False)
     assert attempts.failures(attempts.read(run), 0) == 0
     assert attempts.end(run, 2, "", train_iters=8, max_restarts=3, log=log) == 2  # bad input: never retried
     assert (attempts.read(run)[-1]["ended"], attempts.read(run)[-1]["next"]) == ("bad input", "not retried")
     (run / attempts.TRACKER).write_text("8")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    attempts.start(run)
+    attempts.start(run, 3, False)
     assert attempts.end(run, 0, "", train_iters=8, max_restarts=0, log=log) == 0
     assert (attempts.read(run)[-1]["ended"], attempts.read(run)[-1]["start_step"]) == ("finished", 8)
+
+    # In-job: torchrun's restarts of the workers inside an attempt (the training's starts in timeline.jsonl after its first)
+    # spend the same budget, each at the checkpoint it resumed from; start says how many torchrun may make
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    (run / attempts.TRACKER).write_text("2")
+    assert attempts.start(run, 3, True) == 3
+    lines = [{"event": "start", "job_id": 8, "restart_count": 1, "step": 8, "time": 1.0}]  # another job's: not this attempt's
+    lines += [{"event": event, "job_id": 9, "restart_count": 0, "step": step, "time": t}
+              for event, step, t in (("start", 2, 60.0), ("save", 4, 90.0), ("start", 2, 120.0), ("start", 4, 180.0))]
+    (run / attempts.TIMELINE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (run / attempts.TRACKER).write_text("4")
+    log.write_text("=== tiny: job 9 restart 0 on n[1-2] at ... ===\nsrun: error: n2: task 1: Exited with exit code 137\n")
+    assert attempts.end(run, 1, "", train_iters=8, max_restarts=1, log=log) == 137  # restarts at 2, 4; failed at 4
+    last = attempts.read(run)[-1]
+    assert last["in_job_restarts"] == [{"time": "1970-01-01T00:02:00Z", "step": 2}, {"time": "1970-01-01T00:03:00Z", "step": 4}], last
+    assert (last["ended"], last["next"]) == ("failed", "gave up") and attempts.failures(attempts.read(run), 4) == 2
+    assert ("=== the training failed (exit code 137) at step 4 of 8 after 2 in-job restarts: not requeued, 2 of this job's "
+            "starts failed or stopped without a checkpoint since step 4 was checkpointed (--max-restarts 1) ===") in \
+        capsys.readouterr().out
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # had it been requeued: torchrun's restarts left at step 4
+    assert attempts.start(run, 3, True) == 1 and attempts.start(run, 3, False) == 0
 
 
 def training_worker(job: int, rank: int = 0):
@@ -716,37 +818,71 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
 
     got = same_losses(run, uninterrupted)
     assert sum("valid_loss_fused2" in r for r in got) == steps // 4
+    from fbt_megatron.launch import goodput
+
+    [account] = goodput.job_accounts(run).values()  # the stops: Slurm's requeue and the time-limit signal's
+    assert account.attempts == 3 and account.node_seconds["time-limit stops"] > 0 and account.node_seconds["stragglers"] > 0
+    assert account.node_seconds["checkpoint load"] > 0 and account.requeue_gaps > 0, account
     print(f"\nslurm job {job} ({steps} steps of tiny_cpu, 2 nodes, torchrun launch): scontrol requeue at step {requeued_at} → "
           f"restart 1 resumed from step {resumes[1]}; USR1 (the time-limit signal) at step {signalled_at}, its save held "
           f"3 s against torchrun's 1 s kill timeout → restart 2 resumed from step {resumes[2]} without the straggler's node {slow}; finished; losses of all {steps} steps equal the uninterrupted run's bit for bit "
           f"(last {got[-1]['loss']!r}); {time.time() - began:.0f} s")
 
 
-@pytest.mark.slow
-def test_a_crash_and_a_hang_on_two_nodes_exclude_their_node_and_resume_bit_for_bit(slurm, drill_flags, uninterrupted, tmp_path):
-    """Drills a, b and d of issue 44 on three nodes, one job of 2 nodes × 1 process (torchrun
-    launch) with ``--inject-fault crash@3:1 --inject-fault hang@6:1``. Its first start on two nodes
-    trains as 2 processes on one node do (steps 1-2 bit for bit); rank 1 dies as kill -9 kills it
-    at step 3: the attempt's exit code is that rank's (137, not the survivors' 143), its node is
-    excluded (the job requeued held, updated, released: Slurm takes ``ExcNodeList`` from a pending job
-    only) and the restart runs on the spare node. There rank 1 hangs at step 6: the watchdog on both
-    nodes writes their stacks, names the stuck rank and its node, exit 124; that node is not excluded
-    (the partition has no third node to spare) and the job resumes and finishes. All 16 steps' losses
-    equal an uninterrupted run of 2 processes on one node bit for bit; jobs.jsonl has each attempt's
-    nodes per rank. Then a job (one task, ``--launch tasks``) whose recipe went bad after submitting
-    (held, edited, released) fails with exit code 2 and is not retried, in one line."""
-    began, flags = time.time(), drill_flags
-    common = ["--gpus-per-node", "0", "--time", "00:10:00", "--runs-root", str(tmp_path / "runs"),
-              "--log-dir", str(tmp_path / "logs"), "--max-restarts", "2"]
-    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(TINY), "--nodes", "2", *common, "--",
-                                               *map(str, flags), "--inject-fault", "crash@3:1", "--inject-fault", "hang@6:1",
-                                               "--hang-timeout-minutes", "0.3"]])
+def recoveries(run: Path) -> list:
+    """Each injected crash or hang of a run (``injected_faults.jsonl``): its step, the step the training
+    resumed from (the newest checkpoint then), the steps lost (computed, then redone) and the seconds from
+    the fault to the next step completed (``metrics.jsonl``'s times; the fault's to the second)."""
+    import calendar
+
+    faults = [json.loads(line) for line in (run / "injected_faults.jsonl").read_text().splitlines()]
+    records, out = read_metrics(run), []
+    for fault in faults:
+        at = calendar.timegm(time.strptime(fault["time"], "%Y-%m-%dT%H:%M:%SZ"))
+        step = int(re.search(r"@(\d+)", fault["fault"])[1])
+        after = min((r for r in records if r["time"] >= at + 1), key=lambda r: r["time"])  # completed after the fault
+        resumed = after["step"] - 1
+        out.append({"fault": fault["fault"], "resumed": resumed, "lost": step - 1 - resumed, "seconds": after["time"] - at})
+    return out
+
+
+def crash_and_hang(slurm, flags: list, folder: Path, restart: str) -> tuple:
+    """A 2-node job (torchrun launch, --max-restarts 2, ``--restart restart``) whose rank 1 is killed
+    (kill -9) at step 3 and hangs at step 6, run to its end: (job id, run folder, log text, attempts)."""
+    folder.mkdir()
+    [(code, output)] = submit_many(folder, [[
+        "submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "00:10:00", "--runs-root",
+        str(folder / "runs"), "--log-dir", str(folder / "logs"), "--max-restarts", "2", "--restart", restart, "--",
+        *map(str, flags), "--inject-fault", "crash@3:1", "--inject-fault", "hang@6:1", "--hang-timeout-minutes", "0.3"]])
     assert code == 0, output
     [job] = job_ids(output)
-    run, log = tmp_path / "runs" / "tiny_cpu", tmp_path / "logs" / f"tiny_cpu-{job}.out"
-    slurm.wait_for(job, {"COMPLETED"}, restarts=2, timeout=600)
-    text = log.read_text()
-    attempts = starts(run)
+    run = folder / "runs" / "tiny_cpu"
+    slurm.wait_for(job, {"COMPLETED"}, restarts=2 if restart == "requeue" else 0, timeout=600)
+    return job, run, (folder / "logs" / f"tiny_cpu-{job}.out").read_text(), starts(run)
+
+
+@pytest.mark.slow
+def test_a_crash_and_a_hang_restart_in_the_job_or_requeue_away_from_their_node_bit_for_bit(slurm, drill_flags, uninterrupted,
+                                                                                          tmp_path):
+    """Drills a, b and d of issue 44 and issue 53's in-job restart on three nodes: two jobs of 2 nodes ×
+    1 process (torchrun launch) with ``--inject-fault crash@3:1 --inject-fault hang@6:1``, each held
+    to an uninterrupted run of 2 processes on one node, all 16 steps' losses bit for bit.
+
+    ``--restart requeue``: rank 1 dies as kill -9 kills it at step 3: the attempt's exit code is that
+    rank's (137, not the survivors' 143), its node is excluded (the job requeued held, updated,
+    released: Slurm takes ``ExcNodeList`` from a pending job only) and the restart runs on the third
+    node. There rank 1 hangs at step 6: the watchdog on both nodes writes their stacks, names the
+    stuck rank and its node, exit 124; that node is not excluded (no node left to spare) and the job
+    resumes and finishes; jobs.jsonl has each attempt's nodes per rank.
+
+    In-job (the default): torchrun restarts the workers inside the allocation both times, from the
+    newest checkpoint: Slurm's restart count stays 0 and the one attempt finishes with its two in-job
+    restarts (from steps 2 and 4). Both jobs' recovery (fault → next completed step), steps lost and
+    goodput are printed side by side."""
+    from fbt_megatron.launch import goodput
+
+    began = time.time()
+    job, run, text, attempts = crash_and_hang(slurm, drill_flags, tmp_path / "requeue", "requeue")
     assert [(a["restart_count"], a["start_step"], a["end_step"], a["exit_code"], a["ended"], a["next"]) for a in attempts] == [
         (0, 0, 2, 137, "failed", "requeued"), (1, 2, 4, 124, "hang", "requeued"), (2, 4, 16, 0, "finished", "done")], attempts
     crashed, hung = attempts[0]["rank_nodes"][1], attempts[1]["rank_nodes"][1]
@@ -764,30 +900,56 @@ def test_a_crash_and_a_hang_on_two_nodes_exclude_their_node_and_resume_bit_for_b
     assert [stacks[r].startswith(f"rank {r} (node {attempts[1]['rank_nodes'][r]}, pid ") for r in (0, 1)] == [True, True], stacks
     assert text.count("--inject-fault crash@3:1: rank 1 dies") == 1 and "=== finished: step 16 of 16" in text, text[-3000:]
     assert "frame #" not in since_start(text, job, 2), text[-3000:]  # no C++ frames in a success
-    got = same_losses(run, uninterrupted)
-    drilled = time.time() - began
+    same_losses(run, uninterrupted)
 
+    in_job, in_job_run, in_job_text, [attempt] = crash_and_hang(slurm, drill_flags, tmp_path / "in-job", "in-job")
+    assert (attempt["start_step"], attempt["end_step"], attempt["exit_code"], attempt["ended"], attempt["next"]) == (
+        0, 16, 0, "finished", "done"), attempt
+    assert [r["step"] for r in attempt["in_job_restarts"]] == [2, 4], attempt
+    assert f"=== finished: step 16 of 16 after 2 in-job restarts checkpointed in {in_job_run} ===" in in_job_text
+    assert slurm.job(in_job)["Restarts"] == "0" and in_job_text.count("--inject-fault crash@3:1: rank 1 dies") == 1
+    same_losses(in_job_run, uninterrupted)
+    recovered = {name: recoveries(folder) for name, folder in (("requeue", run), ("in-job", in_job_run))}
+    for name, faults in recovered.items():
+        assert [(r["resumed"], r["lost"]) for r in faults] == [(2, 0), (4, 1)], (name, faults)
+    [requeued], [restarted] = goodput.job_accounts(run).values(), goodput.job_accounts(in_job_run).values()
+    assert 0 < requeued.goodput < restarted.goodput < 1 and restarted.node_seconds["in-job restarts"] > 0
+    assert requeued.node_seconds["failed attempts"] > 0 and requeued.requeue_gaps > 0 and restarted.requeue_gaps == 0
+    print(f"\nslurm jobs {job} (--restart requeue) and {in_job} (in-job), 2 nodes each, crash@3:1, hang@6:1: requeue attempts "
+          f"{[(a['rank_nodes'], a['start_step'], a['end_step'], a['exit_code'], a['ended'], a.get('excluded')) for a in attempts]}; "
+          f"in-job: Restarts 0, restarts {attempt['in_job_restarts']}; {hang_line}; recovery (fault, steps lost, s to the next "
+          f"step): " + "; ".join(f"{name} {[(r['fault'], r['lost'], round(r['seconds'], 1)) for r in faults]}"
+                                  for name, faults in recovered.items())
+          + f"; losses of all 16 steps equal the uninterrupted run's bit for bit, both; {time.time() - began:.0f} s\n"
+          + goodput.table({f"requeue (job {job})": requeued, f"in-job (job {in_job})": restarted}))
+
+
+@pytest.mark.slow
+def test_bad_input_found_after_submitting_is_retried_neither_in_the_job_nor_by_a_requeue(slurm, drill_flags, tmp_path):
+    """Two 1-node jobs whose recipe went bad after submitting (held, edited, released), one per launch:
+    ``tasks`` (no in-job restarts) and ``torchrun`` (in-job restarts: the worker that finds bad input
+    stops its torchrun instead of being restarted). Each fails with exit code 2, is not retried, and
+    says so in one line after the error."""
     recipe = tmp_path / "edited.yaml"
     recipe.write_text(TINY.read_text())
-    [(code, output)] = submit_many(tmp_path, [["submit", "--recipe", str(recipe), "--nodes", "1", *common, "--launch", "tasks",
-                                               "--name", "edited",
-                                               "--sbatch-option=--hold", "--", *map(str, flags)]])
-    assert code == 0, output
-    [bad] = job_ids(output)
-    recipe.write_text(TINY.read_text() + "\nbogus_section: {}\n")  # edited after submitting: the job reads it
-    slurm._run("scontrol", "release", str(bad))
-    with pytest.raises(AssertionError, match="ended FAILED"):
-        slurm.wait_for(bad, {"COMPLETED"})
-    bad_log = (tmp_path / "logs" / f"edited-{bad}.out").read_text()
-    assert "error: unknown recipe section 'bogus_section'" in bad_log and slurm.job(bad)["Restarts"] == "0"
-    verdict = [line for line in bad_log.splitlines() if line.startswith("=== the training failed")]
-    assert verdict == ["=== the training failed with exit code 2 at step 0 of 16: bad input (the error: line above), which a "
-                       "restart cannot fix: not retried ==="], bad_log[-3000:]
-    assert [(a["ended"], a["next"]) for a in starts(tmp_path / "runs" / "edited")] == [("bad input", "not retried")]
-    print(f"\nslurm job {job} (2 nodes, crash@3:1, hang@6:1): attempts "
-          f"{[(a['rank_nodes'], a['start_step'], a['end_step'], a['exit_code'], a['ended'], a.get('excluded')) for a in attempts]}; "
-          f"{hang_line}; losses of all 16 steps equal the uninterrupted run's bit for bit (last {got[-1]['loss']!r}); {drilled:.0f} s. "
-          f"Job {bad} (recipe edited after submitting): exit 2, not retried; {time.time() - began:.0f} s in all")
+    common = ["--recipe", str(recipe), "--nodes", "1", "--gpus-per-node", "0", "--time", "00:10:00", "--runs-root",
+              str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs"), "--max-restarts", "2", "--sbatch-option=--hold"]
+    results = submit_many(tmp_path, [["submit", *common, "--launch", launch, "--name", f"edited-{launch}", "--",
+                                      *map(str, drill_flags)] for launch in ("tasks", "torchrun")])
+    assert [code for code, _ in results] == [0, 0], results
+    jobs = [job for _, output in results for job in job_ids(output)]
+    recipe.write_text(TINY.read_text() + "\nbogus_section: {}\n")  # edited after submitting: the jobs read it
+    for bad, launch in zip(jobs, ("tasks", "torchrun")):
+        slurm._run("scontrol", "release", str(bad))
+        with pytest.raises(AssertionError, match="ended FAILED"):
+            slurm.wait_for(bad, {"COMPLETED"})
+        bad_log = (tmp_path / "logs" / f"edited-{launch}-{bad}.out").read_text()
+        assert bad_log.count("error: unknown recipe section 'bogus_section'") == 1 and slurm.job(bad)["Restarts"] == "0", bad_log
+        verdict = [line for line in bad_log.splitlines() if line.startswith("=== the training failed")]
+        assert verdict == ["=== the training failed with exit code 2 at step 0 of 16: bad input (the error: line above), which "
+                           "a restart cannot fix: not retried ==="], bad_log[-3000:]
+        assert [(a["ended"], a["next"]) for a in starts(tmp_path / "runs" / f"edited-{launch}")] == [("bad input", "not retried")]
+        assert "restarting" not in bad_log.lower() and "attempts left" not in bad_log, bad_log[-3000:]
 
 
 @pytest.mark.slow
@@ -832,6 +994,73 @@ def test_a_node_lost_mid_run_is_requeued_by_slurm_onto_the_nodes_left_and_resume
           f"{attempts[1]['nodes']}, resumed from step {attempts[1]['start_step']}, finished; jobs.jsonl "
           f"{[(a['nodes'], a['ended'], a['next']) for a in attempts]}; losses of all 16 steps equal the uninterrupted run's "
           f"bit for bit; {time.time() - began:.0f} s")
+
+
+@pytest.mark.slow
+def test_a_node_lost_is_replaced_by_a_spare_and_one_lost_beyond_the_spares_requeues_bit_for_bit(slurm, drill_flags,
+                                                                                                uninterrupted, tmp_path):
+    """Issue 53's hot spare: a job of 2 training nodes and ``--spare-nodes 1`` (all three nodes; the
+    spare's torchrun waits in the rendezvous) loses a training node that is not its batch host — its
+    slurmd and every process on it SIGKILLed — after its first checkpoints. The job and its step outlive
+    it (``--no-kill``); the other node's workers fail, its torchrun restarts them and the spare joins the
+    new round once the lost node's heartbeat has expired: the training goes on from the newest checkpoint
+    on the same layout (2 ranks), inside the job. Then the other training node that is not the batch
+    host is lost too, with no spare left: once Slurm drops it from the job, the job script stops the
+    training and requeues the job (the attempt ``lost``, not counted); with the nodes back it resumes
+    and finishes, requeued once (Slurm's restart count 1). All 16 steps' losses equal the uninterrupted
+    run's bit for bit. (``slow@3:0`` keeps the job running long enough.)"""
+    from fbt_megatron.launch import goodput
+
+    began = time.time()
+    flags = [*drill_flags, "--inject-fault", "slow@3:0"]
+    [(code, output)] = submit_many(tmp_path, [[
+        "submit", "--recipe", str(TINY), "--nodes", "2", "--spare-nodes", "1", "--gpus-per-node", "0", "--time", "00:10:00",
+        "--runs-root", str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs"), "--max-restarts", "2", "--",
+        *map(str, flags)]])
+    assert code == 0, output
+    [job] = job_ids(output)
+    run, log = tmp_path / "runs" / "tiny_cpu", tmp_path / "logs" / f"tiny_cpu-{job}.out"
+    host = slurm.wait_for(job, {"RUNNING"})["BatchHost"]
+    wait_until(lambda: (run / "iter_0000004").is_dir() and last_step(run) >= 5, f"job {job} made no checkpoint: "
+               + (log.read_text() if log.exists() else ""))
+    first = [r["node"] for r in json.loads((run / "ranks.json").read_text())["ranks"]]
+    victim = next(node for node in first if node != host)
+    killed_at, killed = last_step(run), time.time()
+    slurm.kill_node(victim)
+    restarted = lambda: [e for e in read_timeline(run) if e["event"] == "start"][1:]  # noqa: E731
+    wait_until(lambda: restarted() and last_step(run) >= restarted()[0]["step"] + 2, f"job {job} did not go on: "
+               + log.read_text(), timeout=200)
+    spared = [r["node"] for r in json.loads((run / "ranks.json").read_text())["ranks"]]
+    second = next(node for node in spared if node != host)
+    second_at = last_step(run)
+    slurm.kill_node(second)
+    try:
+        slurm.wait_for(job, {"PENDING"}, restarts=1, timeout=200)  # requeued; its nodes down
+    finally:
+        for node in (victim, second):
+            slurm.start_node(node)  # back for the job and the other tests (ReturnToService=2)
+    slurm.wait_for(job, {"COMPLETED"}, restarts=1, timeout=400)
+    slurm.wait_for_nodes("idle", [victim, second])
+    text = log.read_text()
+    attempts = starts(run)
+    assert [(a["ended"], a["next"]) for a in attempts] == [("lost", "requeued"), ("finished", "done")], attempts
+    [restart] = attempts[0]["in_job_restarts"]
+    assert 4 <= restart["step"] <= killed_at and attempts[1]["start_step"] <= second_at, (attempts, killed_at, second_at)
+    spare = ({"n1", "n2", "n3"} - set(first)).pop()
+    assert victim not in spared and spare in spared and len(spared) == 2, (first, spared)
+    assert "=== 2 of the job's 3 nodes lost, 1 spare(s): the training stops ===" in text, text[-3000:]
+    assert f"=== nodes lost beyond the spares at step {attempts[0]['end_step']} of 16 after 1 in-job restart: requeueing " \
+           f"job {job} ===" in text, text[-3000:]
+    same_losses(run, uninterrupted)
+    after = min(e["time"] for e in read_timeline(run) if e["event"] == "step" and e["time"] > killed)
+    [account] = goodput.job_accounts(run).values()  # the spare waited while the others trained
+    assert account.node_seconds["in-job restarts"] > 0 and account.node_seconds["spares waiting"] > 0
+    assert account.node_seconds["failed attempts"] > 0 and account.attempts == 2
+    print(f"\nslurm job {job} (2 nodes + 1 spare): node {victim} killed at step {killed_at}; ranks {first} → {spared}, "
+          f"resumed from step {restart['step']} inside the job, {after - killed:.1f} s from the loss to the next step, "
+          f"{killed_at - restart['step']} step(s) redone; node {second} killed at step {second_at}, no spare left: requeued, "
+          f"resumed from step {attempts[1]['start_step']}; losses of all 16 steps equal the uninterrupted run's bit for bit; "
+          f"{time.time() - began:.0f} s\n" + goodput.table({f"2 nodes + 1 spare (job {job})": account}))
 
 
 @pytest.mark.slow
@@ -904,8 +1133,14 @@ def test_chained_stages_run_through_slurm_then_export_and_evaluation(slurm, tmp_
     assert list((runs / "exports").glob(f"{STAGES[-1]}-iter4/config.json")), eval_log[-3000:]
     table = (runs / "eval" / f"{STAGES[-1]}.md").read_text()
     assert "standard" in table, table
+    shown = subprocess.run([sys.executable, "-m", "fbt_megatron.slurm", "goodput", *(str(runs / name) for name in STAGES)],
+                           cwd=ROOT, capture_output=True, text=True)  # the chain's account: its stages' summed
+    header, _, *rows = shown.stdout.splitlines()
+    assert shown.returncode == 0 and header == "| | " + " | ".join(f"{n} job {j}" for n, j in zip(STAGES, jobs)) + " | chain |"
+    allocated = [float(x) for x in next(r for r in rows if r.startswith("| **allocated")).strip("| ").split(" | ")[1:]]
+    assert len(allocated) == 4 and abs(sum(allocated[:3]) - allocated[3]) < 0.002 and min(allocated) > 0, shown.stdout
     print(f"\nslurm chain, jobs {jobs} (afterok): " + "; ".join(f"{n} losses {l}" for n, l in losses.items())
-          + f"; export + evaluation job {jobs[-1]}:\n{table}\n{time.time() - began:.0f} s")
+          + f"; export + evaluation job {jobs[-1]}:\n{table}\n{shown.stdout}{time.time() - began:.0f} s")
 
 
 @pytest.mark.slow

@@ -129,7 +129,7 @@ def test_a_job_in_the_image_crashes_hangs_and_stops_at_its_time_limit_and_trains
     [(code, output)] = submit_many(tmp_path, [[
         "submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "00:30:00",
         "--container-image", str(SQSH), "--container-mounts", f"{mounts}:{mounts}", "--runs-root", str(tmp_path / "runs"),
-        "--log-dir", str(tmp_path / "logs"), "--max-restarts", "3", "--",
+        "--log-dir", str(tmp_path / "logs"), "--max-restarts", "3", "--restart", "requeue", "--",
         *map(str, drill_flags), "--inject-fault", "crash@3:1", "--inject-fault", "hang@6:1", "--hang-timeout-minutes", "0.5"]])
     assert code == 0, output
     [job] = job_ids(output)
@@ -208,17 +208,18 @@ def test_a_job_in_the_image_that_loses_its_node_is_requeued_by_slurm_and_trains_
 
 
 @pytest.mark.slow
-def test_an_image_file_enroot_cannot_start_ends_the_job_in_one_line_and_is_not_retried(pyxis_slurm, drill_flags, tmp_path):
+def test_an_image_file_enroot_cannot_start_ends_the_job_in_one_line_and_is_not_retried(pyxis_slurm, drill_flags, tmp_path,
+                                                                                       tmp_path_factory):
     """A --container-image that is not a squashfs file (here: a text file with the name of one): pyxis
     fails the job's first step on every node with enroot's [ERROR]; the job ends there with one error:
     line naming the image, the node and enroot's reason, exit code 2, before any attempt, not requeued
     (--max-restarts 3 notwithstanding)."""
-    image = tmp_path / "fbt-megatron+26.06.sqsh"
+    image, mounts = tmp_path / "fbt-megatron+26.06.sqsh", tmp_path_factory.getbasetemp()  # mounts: the data and the run
     image.write_text("not a squashfs file\n")
     [(code, output)] = submit_many(tmp_path, [[
         "submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "00:10:00",
-        "--container-image", str(image), "--runs-root", str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs"),
-        "--max-restarts", "3", "--", *map(str, drill_flags)]])
+        "--container-image", str(image), "--container-mounts", f"{mounts}:{mounts}", "--runs-root", str(tmp_path / "runs"),
+        "--log-dir", str(tmp_path / "logs"), "--max-restarts", "3", "--", *map(str, drill_flags)]])
     assert code == 0, output
     [job] = job_ids(output)
     with pytest.raises(AssertionError, match="ended FAILED"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import warnings
 from typing import Callable, NoReturn
@@ -13,6 +14,11 @@ from fbt_megatron.common import logs
 from fbt_megatron.common.folders import STORAGE_ERRNOS, unwritable
 
 log = logging.getLogger(__name__)
+
+# The process id of the torchrun agent (``trainer.stopping.torchrun``) that a worker finding bad input
+# signals (BAD_INPUT_SIGNAL), so that the agent stops every worker instead of restarting them (in-job).
+AGENT = "FBT_TORCHRUN_AGENT"
+BAD_INPUT_SIGNAL = signal.SIGUSR2
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
@@ -55,6 +61,9 @@ def _bad_input(message: str) -> NoReturn:
     if os.environ.get("RANK", "0") == "0":  # rank 0, whatever the logging rank: ``stopping.failed_worker`` counts on it
         log.error(line, extra=logs.EVERY_RANK)
     _tell_torchrun(line)
+    agent = os.environ.get(AGENT, "")
+    if agent.isdigit() and int(agent) == os.getppid():  # a restart cannot fix it: no restart
+        os.kill(int(agent), BAD_INPUT_SIGNAL)
     sys.exit(2)
 
 
@@ -77,7 +86,8 @@ def _tell_torchrun(line: str) -> None:
 
         now = time.time()
         with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {"timestamp": int(now), "time": now}}}, f)
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": int(now), "time": now,
+                                                                  "rank": int(os.environ.get("RANK", 0))}}}, f)
 
 
 def _process_group() -> bool:

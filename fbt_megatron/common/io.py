@@ -107,6 +107,13 @@ def publish_indexed(written, prefix) -> None:
         sync_folder(folder)
 
 
+def append_line(path, text: str) -> None:
+    """``text`` appended to ``path`` (created if missing) and flushed, not synced: a frequent record
+    whose last lines a crash of the machine may lose."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+
+
 def append_synced(path, text: str) -> None:
     """``text`` appended to ``path`` (created if missing) and on disk, with the file's name."""
     path = Path(path)

@@ -3,7 +3,10 @@
 Every start of the job (an attempt) is one line of ``<run folder>/jobs.jsonl``, completed when it
 ends: ``{"job_id", "restart_count", "nodes", "start_time", "start_step", "end_time", "end_step",
 "exit_code", "ended", "next"}``, steps being the newest checkpoint's, and where known
-``"rank_nodes"`` (the node of each rank, from the training's ``ranks.json``), ``"failed_task"``
+``"job_start"`` (when the job script started, Unix seconds), ``"goodput"`` (the attempt's wall
+seconds per cause: ``goodput.py``), ``"in_job_restarts"`` (``[{"time", "step"}, ...]``: torchrun's restarts of the workers inside the
+attempt, each resuming from the checkpoint of ``step``: the training's starts in ``timeline.jsonl``
+after its first), ``"rank_nodes"`` (the node of each rank, from the training's ``ranks.json``), ``"failed_task"``
 (``{"node", "task", "exit_code"}``: the task that failed first, a rank killed by a signal before those that followed it, ``failed_task``), ``"stragglers"`` (the training's
 ``stragglers.jsonl`` lines of this attempt) and ``"excluded"`` (the nodes excluded from the next
 start). ``exit_code`` is the first failed task's (the rank that failed, e.g. 137 for a rank killed
@@ -11,14 +14,18 @@ by SIGKILL), not srun's (often the survivors' 143). ``ended``: ``finished``, ``s
 early stop: the time-limit signal, ``--exit-duration-in-mins``), ``stopped by Slurm`` (``scontrol
 requeue``, ``scancel``), ``bad input`` (exit code 2), ``hang`` (exit code 124, the hang watchdog),
 ``failed`` (any other exit code: a crash, a killed rank), or ``lost`` (the attempt never came back
-to say: its node died, and Slurm requeued the job; found at the next start). ``next``: what the job
+to say: its node died, and Slurm requeued the job; found at the next start; or, with spares, more
+nodes were lost than spares: the job script requeued it). ``next``: what the job
 did then: ``done``, ``requeued``, ``Slurm's`` (Slurm requeues or cancels), ``not retried`` or
 ``gave up``.
 
 The budget: a failed or hung attempt, and an attempt that stopped without checkpointing a step
 (a time limit too short for the first checkpoint), is requeued while the job's such attempts since
 the newest checkpoint was made number at most ``--max-restarts``: a restart that checkpoints again
-starts the count afresh, and so does a new submission. A lost attempt was Slurm's requeue, not a
+starts the count afresh, and so does a new submission. Torchrun's restarts inside an attempt
+(``--in-job``: ``start`` prints how many it may make, the budget left at the attempt's checkpoint)
+spend the same budget, each at the checkpoint it resumed from; when they are spent, the attempt
+fails and is requeued or not by the same rule. A lost attempt was Slurm's requeue, not a
 failure of the training, and is not counted. Exit code 2 — bad input, which a restart cannot fix
 — is not retried, and says so.
 
@@ -48,7 +55,8 @@ from pathlib import Path
 
 ATTEMPTS = "jobs.jsonl"
 TRACKER = "latest_checkpointed_iteration.txt"
-RANKS, STRAGGLERS = "ranks.json", "stragglers.jsonl"  # written by the training (trainer/callbacks/ranks.py, stragglers.py)
+RANKS, TIMELINE, STRAGGLERS = "ranks.json", "timeline.jsonl", "stragglers.jsonl"  # the training's (trainer/callbacks/ranks.py,
+# timeline.py, stragglers.py)
 STATUS = "exit_status.json"  # how the training ended (stopping.py): a hang's stuck ranks
 BAD_INPUT, HANG = 2, 124  # cli.py's exit code for bad input; trainer/callbacks/watchdog.py's for a hang
 FAILED = ("failed", "hang")
@@ -81,27 +89,42 @@ def counted(attempt: dict) -> bool:
 
 def failures(attempts: list, step: int) -> int:
     """Attempts of this job (a new submission has a budget of its own) that spent the budget since
-    the checkpoint of ``step`` was made (ended there)."""
-    job = attempts[-1]["job_id"]
-    return sum(a["job_id"] == job and counted(a) and a.get("end_step") == step for a in attempts)
+    the checkpoint of ``step`` was made (ended there), and torchrun's restarts inside them from it."""
+    job = [a for a in attempts if a["job_id"] == attempts[-1]["job_id"]]
+    return (sum(counted(a) and a.get("end_step") == step for a in job)
+            + sum(r["step"] == step for a in job for r in a.get("in_job_restarts", [])))
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def start(save: Path) -> None:
-    """Record this attempt; an earlier one that never said how it ended was lost."""
+def start(save: Path, max_restarts: int, in_job: bool, job_start: Optional[float] = None) -> int:
+    """Record this attempt (an earlier one that never said how it ended was lost); how many times
+    torchrun may restart the workers inside it: with ``in_job``, the budget left at its checkpoint."""
     save.mkdir(parents=True, exist_ok=True)
     attempts, step = read(save), checkpointed(save)
     for a in attempts:
         if "ended" not in a:
             a.update(end_time=None, end_step=step, exit_code=None, ended="lost", next="Slurm's")
-            print(f"=== job {a['job_id']} restart {a['restart_count']} was lost (it never ended: its node failed?) ===")
+            print(f"=== job {a['job_id']} restart {a['restart_count']} was lost (it never ended: its node failed?) ===",
+                  file=sys.stderr)
     env = os.environ
     attempts.append({"job_id": int(env["SLURM_JOB_ID"]), "restart_count": int(env.get("SLURM_RESTART_COUNT", 0)),
-                     "nodes": env.get("SLURM_JOB_NODELIST", ""), "start_time": _now(), "start_step": step})
+                     "nodes": env.get("SLURM_JOB_NODELIST", ""), "start_time": _now(), "start_step": step,
+                     **({"job_start": job_start} if job_start else {})})
     write(save, attempts)
+    return max(0, max_restarts - failures(attempts, step)) if in_job else 0
+
+
+def in_job_restarts(save: Path, this: dict) -> list:
+    """Torchrun's restarts of the workers inside this attempt: the training's starts after its first
+    (``timeline.jsonl``), each with its time (Unix seconds) and the step it resumed from."""
+    path = save / TIMELINE
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    mine = [e for e in lines if e["event"] == "start" and (e.get("job_id"), e.get("restart_count")) ==
+            (this["job_id"], this["restart_count"])]
+    return [{"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e["time"])), "step": e["step"]} for e in mine[1:]]
 
 
 def end(save: Path, code: int, stop: str, train_iters: int, max_restarts: int, log: Path,
@@ -110,13 +133,21 @@ def end(save: Path, code: int, stop: str, train_iters: int, max_restarts: int, l
     attempts, done, job = read(save), checkpointed(save), os.environ["SLURM_JOB_ID"]
     this = attempts[-1]
     this.update(observed(save, this, log))
+    restarted = in_job_restarts(save, this)
+    if restarted:
+        this["in_job_restarts"] = restarted
     code = this["failed_task"]["exit_code"] if code and "failed_task" in this else code
-    where = f"at step {done} of {train_iters}"
+    where = f"at step {done} of {train_iters}" + (f" after {len(restarted)} in-job restart{'s' * (len(restarted) > 1)}"
+                                                  if restarted else "")
     this.update(end_step=done, exit_code=code)
     if done >= train_iters:
-        ended, then, rc, line = "finished", "done", 0, f"finished: step {done} of {train_iters} checkpointed in {save}"
+        ended, then, rc, line = "finished", "done", 0, f"finished: {where[3:]} checkpointed in {save}"
     elif stop == "slurm":
         ended, then, rc, line = "stopped by Slurm", "Slurm's", 0, f"stopped by Slurm at step {done}"
+    elif stop == "lost":  # more nodes lost than spares (slurm/train.sbatch): Slurm's failure, not the training's
+        this["ended"], then, rc = "lost", "requeued", 0
+        line = f"nodes lost beyond the spares {where}: requeueing job {job}{requeue(job, this, False)}"
+        ended = "lost"
     elif code == BAD_INPUT and stop != "limit":
         ended, then, rc = "bad input", "not retried", code
         line = (f"the training failed with exit code 2 {where}: bad input (the error: line above), which a restart "
@@ -131,16 +162,33 @@ def end(save: Path, code: int, stop: str, train_iters: int, max_restarts: int, l
         failed = failures(attempts, done)
         if failed > max_restarts:
             then, rc = "gave up", code or 1
-            line = (f"{what}: not requeued, {failed} of this job's attempts failed or stopped without a checkpoint since "
+            line = (f"{what}: not requeued, {failed} of this job's starts failed or stopped without a checkpoint since "
                     f"step {done} was checkpointed (--max-restarts {max_restarts})")
         else:
             then, rc = "requeued", 0
             budget = f" (restart {failed} of --max-restarts {max_restarts} from this checkpoint)" if counted(this) else ""
             line = f"{what}: requeueing job {job}{budget}{requeue(job, this, exclude_stragglers)}"
     this.update(end_time=_now(), ended=ended, next=then)
+    this["goodput"] = account(save, this)
     write(save, attempts)
     print(f"=== {line} ===", flush=True)
     return rc
+
+
+def account(save: Path, this: dict) -> dict:
+    """This attempt's wall seconds per cause (``goodput.py`` beside this file, plain Python too), from
+    the training's ``timeline.jsonl``: the categories it spent time in."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fbt_goodput", Path(__file__).with_name("goodput.py"))
+    goodput = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    if not hasattr(goodput, "attempt_seconds"):
+        spec.loader.exec_module(goodput)
+    path, began = save / TIMELINE, this.get("job_start") or goodput.unix(this["start_time"])
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    events = sorted((e for e in events if e["time"] >= began), key=lambda e: e["time"])
+    seconds = goodput.attempt_seconds(this, events, goodput.unix(this["end_time"]))
+    return {name: round(value, 1) for name, value in seconds.items() if value >= 0.05}
 
 
 def observed(save: Path, this: dict, log: Path) -> dict:
@@ -230,13 +278,16 @@ def main(argv=None) -> int:
     p.add_argument("save", type=Path)
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--exit-code", type=int, default=0)
-    p.add_argument("--stop", default="", help="how the batch shell was stopped: limit (USR1), slurm (SIGTERM) or empty")
+    p.add_argument("--stop", default="", help="how the batch shell was stopped: limit (USR1), slurm (SIGTERM), lost (nodes "
+                                              "lost beyond the spares) or empty")
     p.add_argument("--train-iters", type=int, default=0)
     p.add_argument("--log", type=Path, help="the job's log, where srun names the nodes of failed tasks")
     p.add_argument("--exclude-stragglers", action="store_true", help="exclude the nodes named as stragglers from the restart")
+    p.add_argument("--in-job", action="store_true", help="torchrun restarts failed workers inside the attempt first")
+    p.add_argument("--job-start", type=float, help="when the job script started (Unix seconds): the attempt's account")
     args = p.parse_args(argv)
     if args.when == "start":
-        start(args.save)
+        print(start(args.save, args.max_restarts, args.in_job, args.job_start))  # torchrun's --max-restarts
         return 0
     return end(args.save, args.exit_code, args.stop, args.train_iters, args.max_restarts, args.log or Path("/nonexistent"),
                args.exclude_stragglers)

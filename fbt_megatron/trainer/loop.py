@@ -72,7 +72,8 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
     training_log = TrainingLog(recipe, config, passes, state, ranks, active=is_logger)
     step = TrainStep(recipe, model, ddp, optimizer, scheduler, data.train, schedule, state.skipped_steps)
     saver = Saver(recipe, model, optimizer, scheduler, state)
-    callbacks = callbacks_for(recipe, state, step, saver, active=is_logger, extra=callbacks)
+    callbacks = callbacks_for(recipe, state, step, saver, active=is_logger, ranks=ranks,
+                              load_seconds=origin.load_seconds if origin else 0.0, extra=callbacks)
     notes = [origin and origin.note, *notes, validation_note(data.valid, recipe), epochs_note(data.train, recipe)]
     log.info("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *filter(None, notes)]))
     stop = StopCheck(t.exit_duration_in_mins, t.exit_signal_handler, began)  # signals and the time budget

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -55,7 +56,7 @@ def tensorboard_scalars(record: dict) -> dict:
     """A logged record as TensorBoard tag → value."""
     out = {}
     for key, value in record.items():
-        if key == "step" or value is None:
+        if key in ("step", "time") or value is None:
             continue
         if key == "pass_losses":  # passes 1..k
             out.update({f"fbt/lm loss pass{j}": v for j, v in enumerate(value, start=1)})
@@ -206,6 +207,7 @@ class TrainingLog:
         tokens_per_step = self.recipe.training.global_batch_size * self.recipe.data.seq_length
         record = {
             "step": state.iteration,
+            "time": round(time.time(), 3),  # when the step ended: Unix seconds (UTC), to line a run up with a cluster's events
             "k": k,
             "loss": sum(w * l for w, l in zip(pass_weights(self.config, k), losses)),
             "pass_losses": losses,

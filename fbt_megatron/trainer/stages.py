@@ -49,6 +49,7 @@ class Start:
     weights_only: bool
     flag: str = "--load"  # the flag that named the checkpoint, for messages
     note: Optional[str] = None
+    load_seconds: float = 0.0  # what ``load`` took
 
 
 def checkpoint_state(recipe: Recipe, folder: str, iteration: Optional[int] = None) -> dict:
@@ -173,4 +174,5 @@ def load(start: Start, recipe: Recipe, model, optimizer, scheduler) -> None:
     began = time.monotonic()
     checkpointing.load(start.folder, model, optimizer, scheduler, iteration=start.iteration, weights_only=start.weights_only,
                        load_optimizer=not c.no_load_optim, load_rng=not c.no_load_rng)
-    start.note += f", loaded in {time.monotonic() - began:.1f} s"
+    start.load_seconds = time.monotonic() - began
+    start.note += f", loaded in {start.load_seconds:.1f} s"

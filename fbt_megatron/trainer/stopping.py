@@ -38,6 +38,13 @@ at most the time left before the job's time limit, ``--stop-timeout``): a clean 
 the workers' line last, a second Ctrl-C aborts them at once (exit 130), and a failed worker ends in
 one line naming it. That needs torchrun's ``--signals-to-handle`` (pytorch PR #160690, August 2025);
 an older torchrun handles TERM and INT itself, as plain torchrun does, and says so when it starts.
+
+With ``--max-restarts N`` torchrun restarts failed workers (a crash, a hang's exit 124) from the
+newest checkpoint (a Slurm job's in-job restarts, ``launch/attempts.py``), but not bad input: a worker
+that found it signals its agent (``cli.AGENT``, ``BAD_INPUT_SIGNAL``), which stops every worker and
+ends with that worker's ``error:`` line, exit code 2. Each rendezvous round's workers get a store of
+their own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``): in the agent's one store a restart's workers would
+find the dead workers' addresses.
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -55,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from fbt_megatron.common import logs, platform
+from fbt_megatron.common.cli import AGENT, BAD_INPUT_SIGNAL
 from fbt_megatron.common.io import atomic_write
 
 log = logging.getLogger(__name__)
@@ -199,6 +209,25 @@ def write_status(save: Optional[str], reason: str, step: int, train_iters: int, 
     atomic_write(Path(save) / STATUS, json.dumps(status) + "\n")  # ranks may write at once: each its own temporary
 
 
+def bad_input(log_dir: str) -> int:
+    """The end of a torchrun whose worker found bad input and stopped it (``cli.AGENT``): the
+    ``error:`` line of the worker that wrote it first (its error file under torchrun's ``log_dir``),
+    unless rank 0 said it (``cli._bad_input``); exit code 2."""
+    said = []
+    for path in Path(log_dir).glob("**/error.json"):
+        try:
+            message = json.loads(path.read_text())["message"]
+            said.append((message["extraInfo"]["time"], message["extraInfo"].get("rank"), message["message"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a worker's own traceback file (torch elastic's @record), or half written
+    if said:
+        _, rank, line = min(said)
+        if rank != 0:
+            log.error(line, extra=logs.EVERY_RANK)
+        log.error(f"torchrun: rank {rank} ended with exit code 2; torchrun stopped the other workers", extra=logs.EVERY_RANK)
+    return 2
+
+
 def failed_worker(e) -> int:
     """The end of a torchrun whose worker failed (``e``: torch elastic's ``ChildFailedError``): one
     line naming the rank that failed first, after that rank's ``error:`` line when it found bad input
@@ -248,6 +277,19 @@ def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
         log.warning(f"torchrun: torch {torch.__version__}'s torchrun has no --signals-to-handle: on SIGTERM or SIGINT it gives "
                     "the workers 30 s to stop before it kills them (a newer torch waits for them)", extra=logs.EVERY_RANK)
     stopping: dict = {}  # the first signal forwarded, the timer that ends the wait for the workers, "killed" when it did
+    log_dir = tempfile.mkdtemp(prefix="fbt-torchrun-")  # the workers' error files (torchrun's --log-dir)
+    os.environ[AGENT] = str(os.getpid())
+    # Each rendezvous round's workers get a store of their own (rank 0's, on a fresh port), not the agent's
+    # one store for every round: a restart's workers would read the dead workers' addresses from it (gloo's
+    # full mesh: connection refused; NCCL's unique id) under the same keys (torch's dynamic_rendezvous).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+    def stop_for_bad_input(signum, frame):  # torchrun's agent then stops the workers, as on its own signals
+        if not stopping.get("bad input"):
+            stopping["bad input"] = True
+            for name in ("agent.server.api", "multiprocessing.api"):  # not its "death signal" lines: bad_input says why
+                logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.ERROR)
+            raise SignalException("a worker found bad input", sigval=signal.Signals(signum))
 
     def workers() -> list:
         return psutil.Process().children()
@@ -276,9 +318,12 @@ def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
                 pass
 
     previous = {s: signal.signal(s, forward) for s in SIGNALS}
+    previous[BAD_INPUT_SIGNAL] = signal.signal(BAD_INPUT_SIGNAL, stop_for_bad_input)
     try:
-        run.main([*options, *argv])
+        run.main([*options, "--log-dir", log_dir, *argv])
     except SignalException as e:  # HUP or QUIT; TERM and INT too from an older torchrun
+        if stopping.get("bad input"):
+            return bad_input(log_dir)
         log.warning(f"torchrun: {e.sigval.name}: the workers were sent {e.sigval.name} and have ended", extra=logs.EVERY_RANK)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
@@ -292,4 +337,5 @@ def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
             stopping["timer"].cancel()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0

@@ -29,18 +29,21 @@ ROWS = ("time-limit stop", "requeued attempt", "every rank in the run", "NCCL tr
 
 
 def job_command(nodes: int, gpus_per_node: int, runs: Path, logs: Path, submit_args: List[str]) -> List[str]:
-    """The submit command: TP 2 + SP, the global batch = the recipe's micro batch × DP."""
+    """The submit command: TP 2 + SP, the global batch = the recipe's micro batch × DP; in a container
+    image, the folder of ``runs`` and ``logs`` mounted (the recipe's data are in the checkout, mounted)."""
     from fbt_megatron.recipe import flags
 
     world = nodes * gpus_per_node
     if world % TP:
         raise ValueError(f"{nodes} node(s) x {gpus_per_node} GPU(s) do not divide by TP {TP}")
+    image = any(arg == "--container-image" or arg.startswith("--container-image=") for arg in submit_args)
+    mounts = ["--container-mounts", f"{runs.parent}:{runs.parent}"] if image else []
     micro = flags.parse(["--recipe", RECIPE], prog="gpu_check", description="").training.micro_batch_size
     train = ["--train-iters", STEPS, "--save-interval", 20, "--log-interval", 1, "--eval-iters", 0, "--tensorboard", "false",
              "--tensor-model-parallel-size", TP, "--sequence-parallel", "true", "--global-batch-size", micro * world // TP]
     return [str(x) for x in [sys.executable, "-m", "fbt_megatron.slurm", "submit", "--recipe", RECIPE, "--nodes", nodes,
                              "--gpus-per-node", gpus_per_node, "--time", "00:30:00", "--runs-root", runs, "--log-dir", logs,
-                             "--env", "NCCL_DEBUG=INFO", *submit_args, "--", *train]]
+                             "--env", "NCCL_DEBUG=INFO", *submit_args, *mounts, "--", *train]]
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float) -> None:

@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from fbt_megatron.launch.slurm.script import Resources, Stage, parse_time
 from fbt_megatron.recipe import Recipe, RecipeError
@@ -150,7 +150,7 @@ def environment_problems(res: Resources, python: str, vllm: bool = False) -> Lis
                    else f"{PROJECT_IMAGE}, built from it")
             return [f"--container-image {res.container_image} is NVIDIA's PyTorch image as it ships, without "
                     f"megatron-core, transformers or this project: give {fix}"]
-        return []
+        return image_file_problems(res)
     problems = []
     if res.gpus_per_node > 0:
         import torch
@@ -163,6 +163,63 @@ def environment_problems(res: Resources, python: str, vllm: bool = False) -> Lis
         problems.append(f"vLLM is not installed beside {python}: pip install -e '.[serve]' (requirements-serve.txt), "
                         "or give --container-image IMAGE with vLLM and this package")
     return problems
+
+
+IMAGE_FILES = {"pyxis": "a squashfs file made by enroot import", "apptainer": "a .sif file made by apptainer build"}
+
+
+def image_file_problems(res: Resources) -> List[str]:
+    """An image given as a file must exist: pyxis takes an image starting with ``/`` or ``.`` for a
+    squashfs file (``pyxis_slurmstepd.c``: ``strspn(image, "./") > 0``), else a registry reference it
+    imports; Apptainer takes anything without ``://`` for a file. Seen from the submit host, as the
+    data are: a cluster's image lies on the file system its nodes share."""
+    image = res.container_image
+    is_file = image[:1] in "./" if res.container_runtime == "pyxis" else "://" not in image
+    if not is_file:
+        return []
+    what = f"{IMAGE_FILES[res.container_runtime]}, at a path every node reads (docs/gpu.md#the-container)"
+    if is_placeholder(image):
+        return [f"--container-image {image} is a placeholder: give {what}"]
+    if not Path(image).is_file():
+        return [f"--container-image {image}: no such file (expected: {what}; relative paths start at {Path.cwd()})"]
+    return []
+
+
+def mount_problems(res: Resources, paths: Sequence[Tuple[str, Optional[str]]], workdir: Path) -> List[str]:
+    """With a container image, every path a job reads or writes (``paths``: (what it is, the path))
+    must lie in a folder the container mounts at its own path (``Resources.mounted``): the job is
+    given host paths. Each one outside is a problem whose fix names the folder to mount: the path's
+    nearest existing folder (a mount's source must exist when the job starts)."""
+    if not res.container_image:
+        return []
+    mounted = res.mounted(workdir)
+    problems = []
+    for key, path in paths:
+        if path is None or is_placeholder(str(path)):
+            continue
+        target = workdir / path
+        if any(target.is_relative_to(m) or target.resolve().is_relative_to(m.resolve()) for m in mounted):
+            continue
+        source = next(folder for folder in [target, *target.parents] if folder.is_dir())
+        first = "" if source != Path(source.anchor) else f" (create {Path(*target.parts[:2])} first)"
+        source = source if not first else Path(*target.parts[:2])
+        problems.append(f"{key} {path} is not mounted in the container (it mounts {', '.join(map(str, mounted))}): "
+                        f"add --container-mounts {source}:{source}{first}")
+    return problems
+
+
+def stage_paths(stage: Stage) -> List[Tuple[str, Optional[str]]]:
+    """What a training job reads and writes: its run folder, the run its weights start from, the
+    data (a blend's prefixes or chat files, a corpus folder and its source) and the tokenizer."""
+    d = stage.config.data
+    data = [(f"data.{key}", str(item)) for key in ("train_data_path", "valid_data_path")
+            for item in getattr(d, key) or [] if not isinstance(item, (int, float))]
+    source = d.corpus[len("sft:"):] if d.corpus and d.corpus.startswith("sft:") else d.corpus
+    if source == "stdlib" or (source or "").startswith("state_tracking:"):
+        source = None
+    return [("--save", str(stage.save)), ("checkpoint.pretrained_checkpoint", stage.pretrained and str(stage.pretrained)),
+            *data, ("data.data_path", d.data_path if d.train_data_path is None else None),
+            ("data.corpus", source if d.train_data_path is None else None), ("data.tokenizer_model", d.tokenizer_model)]
 
 
 def plan_stage(stage: Stage, res: Resources, gpu=None, gpu_memory_gb: Optional[float] = None, fit: bool = False,

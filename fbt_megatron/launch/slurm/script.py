@@ -113,14 +113,24 @@ class Resources:
         later steps; Apptainer runs a .sif file in place, with nothing to keep."""
         if not self.container_image:
             return ""
-        own = [workdir] + ([] if REPOSITORY.is_relative_to(workdir) else [REPOSITORY])
-        mounts = ",".join([*(f"{path}:{path}" for path in own), *self.container_mounts])
+        mounts = ",".join([*(f"{path}:{path}" for path in self.own_mounts(workdir)), *self.container_mounts])
         if self.container_runtime == "apptainer":
             return shlex.join(["apptainer", "exec", *(["--nv"] if self.gpus_per_node else []), "--bind", mounts,
                                "--pwd", str(workdir), self.container_image])
         options = shlex.join([f"--container-image={self.container_image}", f"--container-mounts={mounts}",
                               f"--container-workdir={workdir}"])
         return options + (f" --container-name={name}" if name else "")
+
+    @staticmethod
+    def own_mounts(workdir: Path) -> List[Path]:
+        """The folders every container job mounts at their own paths: the work folder and this checkout."""
+        return [workdir] + ([] if REPOSITORY.is_relative_to(workdir) else [REPOSITORY])
+
+    def mounted(self, workdir: Path) -> List[Path]:
+        """The folders a container sees at their host paths: its own mounts and each ``--container-mounts``
+        whose destination is its source (``SRC`` alone, or ``SRC:SRC[:FLAGS]``)."""
+        given = [mount.split(":") for mount in self.container_mounts]
+        return self.own_mounts(workdir) + [workdir / parts[0] for parts in given if len(parts) == 1 or parts[0] == parts[1]]
 
     @property
     def pyxis(self) -> bool:
@@ -202,14 +212,19 @@ JOIN_TIMEOUT = IMAGE_IMPORT_ALLOWANCE + 600  # s: 10 minutes more for the agents
 
 @dataclass(frozen=True)
 class Retries:
-    """What a training job does after an attempt failed (``launch/attempts.py``): requeue it up to
-    ``max_restarts`` times from one checkpoint, away from the failed node, and with
-    ``exclude_stragglers`` away from the nodes the training named as stragglers too."""
+    """What a training job does after an attempt failed (``launch/attempts.py``): with ``in_job``
+    (torchrun launch), torchrun restarts the workers inside the allocation; then, or without it, the
+    job is requeued, away from the failed node, and with ``exclude_stragglers`` away from the nodes
+    the training named as stragglers too: at most ``max_restarts`` failures from one checkpoint.
+    ``spare_nodes`` more nodes wait in torchrun's rendezvous to take a lost node's place."""
     max_restarts: int = 3
     exclude_stragglers: bool = False
+    in_job: bool = True
+    spare_nodes: int = 0  # allocated beyond the training's, waiting to replace a node lost (in_job, torchrun launch)
 
     def args(self) -> List[str]:
-        return ["--max-restarts", str(self.max_restarts), *(["--exclude-stragglers"] if self.exclude_stragglers else [])]
+        return ["--max-restarts", str(self.max_restarts), *(["--exclude-stragglers"] if self.exclude_stragglers else []),
+                *(["--in-job"] if self.in_job else [])]
 
 
 def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: int, workdir: Path, python: str,
@@ -221,7 +236,10 @@ def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: i
     attempts = ["python3" if res.container_image else res.python(python),
                 shlex.quote(str(REPOSITORY / "fbt_megatron" / "launch" / "attempts.py"))]
     return render(
-        "train.sbatch", name=stage.name, nodes=res.nodes, tasks_per_node=1 if launch == "torchrun" else procs,
+        "train.sbatch", name=stage.name, nodes=res.nodes + retries.spare_nodes, train_nodes=res.nodes, spares=retries.spare_nodes,
+        spare_options="#SBATCH --no-kill" if retries.spare_nodes else "# (no spare nodes)",
+        torchrun_kill="--no-kill" if retries.spare_nodes else "--kill-on-bad-exit=1",
+        tasks_per_node=1 if launch == "torchrun" else procs,
         time=res.time, log_dir=shlex.quote(str(res.log_dir)), signal_seconds=signal_seconds, sbatch_options=res.options(),
         workdir=shlex.quote(str(workdir)), launch=launch, procs_per_node=procs, save=shlex.quote(str(stage.save)),
         train_iters=stage.train_iters, train_args=quoted(stage.train_args()),

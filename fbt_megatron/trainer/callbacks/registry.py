@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence
 
 from fbt_megatron.trainer.callbacks.base import Callback, Callbacks
 from fbt_megatron.trainer.callbacks.heartbeat import Heartbeat
 from fbt_megatron.trainer.callbacks.spikes import Rewind
+from fbt_megatron.trainer.callbacks.timeline import Timeline
 from fbt_megatron.trainer.callbacks.wandb_writer import WandbWriter
 from fbt_megatron.trainer.callbacks.watchdog import Watchdog
 
 
-def callbacks_for(recipe, state, step, saver, active: bool, extra: Sequence[Callback] = ()) -> Callbacks:
+def callbacks_for(recipe, state, step, saver, active: bool, ranks: List[dict], load_seconds: float,
+                  extra: Sequence[Callback] = ()) -> Callbacks:
     """The run's callbacks (``state``: where it starts; ``step``: its ``step.TrainStep``; ``saver``:
-    its ``saver.Saver``; ``active``: this rank logs), in the order every hook calls them:
+    its ``saver.Saver``; ``active``: this rank logs; ``ranks``: every rank's node; ``load_seconds``:
+    what loading its checkpoint took), in the order every hook calls them:
 
     1. injected faults (``--inject-fault``: the step's ``Faults``): at the step's start, inside its clock;
     2. Weights & Biases (``--wandb-project``, the logging rank): each record after stdout,
        ``metrics.jsonl`` and TensorBoard have it; its run finishes after the log's summary line;
     3. the spike rewind (``--spike-policy rewind``): after the spiking step's record, before the save
        point, so the checkpoint saved next is of the rewound run;
-    4. the heartbeat (``--save``, the logging rank): after the save point, so it names the checkpoint
-       just written; at the end, the step reached;
+    4. the heartbeat and the timeline (``--save``, the logging rank): after the save point, so they
+       name the checkpoint just written; at the end, the step reached;
     5. the hang watchdog (``--hang-timeout-minutes``): kicked last, so a step, its validation, its
        checkpoint and the heartbeat all count in its timeout;
     6. ``extra`` (``train``'s own argument), after the recipe's: they see what those did.
@@ -35,7 +38,7 @@ def callbacks_for(recipe, state, step, saver, active: bool, extra: Sequence[Call
     if t.spike_policy == "rewind":
         out.append(Rewind(step.spikes, step.model, step.optimizer, step.scheduler, saver, step.bad))
     if c.save and active:
-        out.append(Heartbeat(c.save, g.heartbeat_interval, t.train_iters))
+        out += [Heartbeat(c.save, g.heartbeat_interval, t.train_iters), Timeline(c.save, saver, ranks, load_seconds)]
     if t.hang_timeout_minutes:
         out.append(Watchdog(t.hang_timeout_minutes, c.save, state.iteration, t.train_iters))
     return Callbacks([*out, *extra])

@@ -11,10 +11,12 @@ W&B run's id is kept in ``<save>/wandb_run_id``: a run that continues its folder
 ``--save``: a resume, a requeued Slurm job) resumes the same W&B run (``resume="allow"``), as
 OLMo-core does; any other run starts a new one and keeps its id there. W&B keeps a run's steps
 increasing: steps logged again after a resume from an earlier checkpoint are dropped by W&B
-(``metrics.jsonl`` has them as the resumed run logged them)."""
+(``metrics.jsonl`` has them as the resumed run logged them). A resumed run's summary gets the
+Slurm job's goodput account so far (``job_goodput``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from fbt_megatron.common.io import atomic_write
@@ -43,6 +45,8 @@ class WandbWriter(Callback):
                               **resume)
         if kept is not None and not continues:
             atomic_write(kept, self.run.id + "\n")
+        if continues:
+            self.run.summary.update(job_goodput(Path(c.save)))
 
     def on_step_end(self, state, record) -> None:
         if record is not None:
@@ -50,3 +54,13 @@ class WandbWriter(Callback):
 
     def close(self) -> None:
         self.run.finish()
+
+
+def job_goodput(save: Path) -> dict:
+    """The Slurm attempts' account so far (``<save>/jobs.jsonl``: each ended attempt's seconds per
+    cause, ``launch/goodput.py``), summed, as W&B summary values ``goodput/<cause> seconds``."""
+    path, total = save / "jobs.jsonl", {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        for cause, seconds in json.loads(line).get("goodput", {}).items():
+            total[f"goodput/{cause} seconds"] = total.get(f"goodput/{cause} seconds", 0.0) + seconds
+    return total
