@@ -64,6 +64,10 @@ def test_megatron_flag_overrides_are_typed(tmp_path):
         ("logging:\n  wandb_exp_name: x\n", "logging.wandb_exp_name, wandb_save_dir and wandb_mode are a W&B run's: give --wandb-project"),
         ("logging:\n  wandb_mode: offline\n", "logging.wandb_exp_name, wandb_save_dir and wandb_mode are a W&B run's: give --wandb-project"),
         ("logging:\n  straggler_threshold: 0.5\n", "logging.straggler_threshold must be > 1"),
+        # model shapes megatron-core takes and then fails on (a ZeroDivisionError, a reshape's RuntimeError)
+        ("model:\n  num_layers: 0\n", "model: num_layers and num_attention_heads must be >= 1, got 0 and 4"),
+        ("model:\n  num_attention_heads: 7\n", "model: num_query_groups 2 does not divide num_attention_heads 7"),
+        ("model:\n  kv_channels: null\n  num_attention_heads: 6\n", "model: num_attention_heads 6 does not divide hidden_size 64"),
     ],
 )
 def test_bad_recipes_name_the_problem(tmp_path, text, message):

@@ -125,6 +125,8 @@ BAD = {  # the one line a mistake gets: (the line contains, the command after "s
                                         "--stage-args", "sft=--train-iters 3"],
     "--container-runtime apptainer: the runtime of --container-image; give the image": [
         "--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00", "--container-runtime", "apptainer"],
+    "--finetune: a Slurm job resumes its own --save on every requeue": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node",
+                                                                       "0", "--time", "01:00:00", "--", "--finetune"],
     "--spare-nodes -1: give 0 or more": ["--recipe", str(TINY), "--nodes", "1", "--gpus-per-node", "0", "--time", "01:00:00",
                                          "--spare-nodes", "-1"],
     "--spare-nodes 1: spares take a lost node's place in torchrun's rendezvous: use them with --launch torchrun and "

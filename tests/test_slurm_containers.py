@@ -170,6 +170,40 @@ def test_a_job_in_the_image_crashes_hangs_and_stops_at_its_time_limit_and_trains
 
 
 @pytest.mark.slow
+def test_a_crash_and_a_hang_in_the_image_restart_inside_the_job_and_train_as_the_host_does(
+        pyxis_slurm, drill_flags, host_run, tmp_path, tmp_path_factory):
+    """Issue 53's in-job restart with the image's stack (Python 3.12, the image's torch and megatron-core
+    0.19): a 2-node job (--restart in-job, the default) whose rank 1 is killed at step 3 and hangs at
+    step 6. Torchrun restarts the workers twice inside the allocation and inside the attempt's
+    containers: Slurm's restart count 0, each node imports the image once (the check's step; the
+    training's step reuses it, and so do the restarts, in the same step), no container left, and all
+    16 steps' losses equal the host's run with the image's stack bit for bit."""
+    began = time.time()
+    mounts = str(tmp_path_factory.getbasetemp())
+    [(code, output)] = submit_many(tmp_path, [[
+        "submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "00:30:00",
+        "--container-image", str(SQSH), "--container-mounts", f"{mounts}:{mounts}", "--runs-root", str(tmp_path / "runs"),
+        "--log-dir", str(tmp_path / "logs"), "--max-restarts", "2", "--",
+        *map(str, drill_flags), "--inject-fault", "crash@3:1", "--inject-fault", "hang@6:1", "--hang-timeout-minutes", "0.5"]])
+    assert code == 0, output
+    [job] = job_ids(output)
+    run, log = tmp_path / "runs" / "tiny_cpu", tmp_path / "logs" / f"tiny_cpu-{job}.out"
+    pyxis_slurm.wait_for(job, {"COMPLETED"}, restarts=0, timeout=900)
+    text = log.read_text()
+    [attempt] = starts(run)
+    assert (attempt["ended"], attempt["next"], [r["step"] for r in attempt["in_job_restarts"]]) == ("finished", "done", [2, 4])
+    assert "=== finished: step 16 of 16 after 2 in-job restarts" in text, text[-3000:]
+    found = imports(pyxis_slurm, job)
+    assert sorted(kinds for kinds in (tuple(k for k, _ in steps) for steps in found.values()) if kinds) == [
+        ("created", "reused")] * 2, found  # two nodes, one import each
+    assert containers_left(pyxis_slurm) == [], containers_left(pyxis_slurm)
+    got = same_losses(run, host_run)
+    print(f"\nslurm job {job} in {SQSH.name} (2 nodes of 3, in-job): Restarts 0, in-job restarts {attempt['in_job_restarts']}; "
+          f"image imports {found}; losses of all 16 steps equal the host's run with the image's stack bit for bit "
+          f"(last {got[-1]['loss']!r}); {time.time() - began:.0f} s")
+
+
+@pytest.mark.slow
 def test_a_job_in_the_image_that_loses_its_node_is_requeued_by_slurm_and_trains_as_the_host_does(
         pyxis_slurm, drill_flags, host_run, tmp_path, tmp_path_factory):
     """A 2-node job in the image loses its batch host (its slurmd and every process on it SIGKILLed, as a

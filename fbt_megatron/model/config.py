@@ -70,6 +70,14 @@ class FBTConfig(TransformerConfig):
     with recompute_passes and needs a long max history with k > 1."""
 
     def __post_init__(self):
+        if self.num_layers < 1 or self.num_attention_heads < 1:
+            raise ValueError(f"num_layers and num_attention_heads must be >= 1, got {self.num_layers} and {self.num_attention_heads}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} does not divide hidden_size {self.hidden_size}: "
+                             "give a divisor of it (or kv_channels, each head's width)")
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_query_groups {self.num_query_groups} does not divide num_attention_heads "
+                             f"{self.num_attention_heads}: each key/value group serves as many heads")
         if self.depth_scale is None:
             self.depth_scale = 1.0 / math.sqrt(2 * self.num_layers)
         if self.sliding_window is not None:

@@ -34,7 +34,7 @@ def optimizer_step(optimizer, veto: Optional[Callable[[float], bool]] = None) ->
     """(updated, global gradient norm) of one step of a megatron-core optimizer (FP32, mixed
     precision, distributed, chained, layer-wise); no update when the norm is not finite, nor when
     the fp16 loss scaler found an overflow (norm None: its scale is lowered, as in megatron-core),
-    nor when ``veto(norm)`` (a spike: ``resilience.spikes``)."""
+    nor when ``veto(norm)`` (a spike: ``trainer.callbacks.spikes``)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     if optimizer.prepare_grads():

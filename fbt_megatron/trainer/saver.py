@@ -85,7 +85,7 @@ class Saver:
 
 
 def _counts(state) -> dict:
-    """What ``exit_status.json`` counts besides the end: the loss spikes and rewinds (``resilience.spikes``)."""
+    """What ``exit_status.json`` counts besides the end: the loss spikes and rewinds (``trainer.callbacks.spikes``)."""
     return {"spikes": state.spikes, "rewinds": state.rewinds}
 
 

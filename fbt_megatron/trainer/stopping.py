@@ -18,8 +18,8 @@ process: after step i).
 Every stop (and the end of a run) is recorded in ``<save>/exit_status.json`` (``write_status``):
 ``{"reason": "finished" | "exit_interval" | "signal" | "duration" | "bad_steps" | "hang", "step": N,
 "train_iters": T, "checkpoint": "iter_000000N" or null, "signal": "SIGTERM" (signal stops),
-"spikes": S, "rewinds": R (when there were: ``resilience.spikes``), "stuck_ranks": [R, ...] (a hang:
-the ranks the others wait for, ``resilience.watchdog``)}``,
+"spikes": S, "rewinds": R (when there were: ``trainer.callbacks.spikes``), "stuck_ranks": [R, ...] (a hang:
+the ranks the others wait for, ``trainer.callbacks.watchdog``)}``,
 for job scripts (Slurm) deciding whether to resubmit.
 
 Every delivery counts, whatever the main thread is doing (a long kernel, a collective waiting for
@@ -191,8 +191,8 @@ def write_status(save: Optional[str], reason: str, step: int, train_iters: int, 
                  signal_name: Optional[str] = None, counts: Optional[dict] = None,
                  stuck_ranks: Optional[List[int]] = None) -> None:
     """Record why the run ended in ``<save>/exit_status.json`` (atomically), with the non-zero
-    ``counts`` (the loss spikes and rewinds: ``resilience.spikes``). Rank 0 writes it; a hang's
-    (``stuck_ranks``: the ranks the others wait for, ``resilience.watchdog``) every rank that
+    ``counts`` (the loss spikes and rewinds: ``trainer.callbacks.spikes``). Rank 0 writes it; a hang's
+    (``stuck_ranks``: the ranks the others wait for, ``trainer.callbacks.watchdog``) every rank that
     diagnosed it writes, the same content: rank 0 may be the stuck one, and the first rank to exit
     may have the others killed."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -234,7 +234,7 @@ def failed_worker(e) -> int:
     (``cli.run_cli`` writes it to the worker's error file: torchrun stops the other workers as soon as
     one fails, often before rank 0 has said anything); returns that worker's exit code (128 + the
     signal that killed it), not torchrun's 1, so a job script tells bad input (2) and a hang (124)
-    from a crash (``resilience.attempts``)."""
+    from a crash (``launch.attempts``)."""
     rank, failure = e.get_first_failure()
     said = {r: f.message for r, f in e.failures.items() if isinstance(f.message, dict) and "time" in f.message.get("extraInfo", {})}
     code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode

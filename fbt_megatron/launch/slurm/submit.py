@@ -30,6 +30,10 @@ def stage(recipe_path: str, train_flags: List[str], runs_root: Path, name: Optio
     recipe = flags.parse(["--recipe", str(path.resolve()), *train_flags], prog="python -m fbt_megatron.train", description="")
     name = name or path.stem
     c = recipe.checkpoint
+    if c.finetune:  # it would load its own newest checkpoint at iteration 0 on every requeue: a job that never ends
+        raise RecipeError("--finetune: a Slurm job resumes its own --save on every requeue, and --finetune would restart it "
+                          "at step 0 each time; start from another run's weights with --pretrained-checkpoint RUN (its "
+                          "weights, iteration 0, fresh optimizer, as --finetune)")
     save = Path(c.save if _given("--save", train_flags) else runs_root / name).resolve()
     if _given("--load", train_flags) and Path(c.load).resolve() != save:
         raise RecipeError(f"--load {c.load}: a Slurm job resumes from its own --save ({save}); "

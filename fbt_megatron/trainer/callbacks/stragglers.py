@@ -37,7 +37,7 @@ median), adds ``stragglers`` ``[{"rank", "node", "step_time", "median", "ratio"}
 record (``metrics.jsonl``; TensorBoard and W&B: ``stragglers/rank<R>``, the ratio) and appends one
 line per straggler to ``<save>/stragglers.jsonl`` for the Slurm attempt record: ``{"time": ISO-UTC,
 "step", "rank", "node", "step_time" (s), "median" (s), "ratio"}``. The drill: ``--inject-fault
-slow@STEP[:RANK]`` (``resilience.faults``).
+slow@STEP[:RANK]`` (``trainer.callbacks.faults``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 
 from fbt_megatron.common import logs, platform
+from fbt_megatron.common.io import append_line
 
 log = logging.getLogger(__name__)
 
@@ -197,5 +198,4 @@ class Stragglers:
                  f"median {named[0]['median']:.3f} s of {len(self.ranks)} ranks (--straggler-threshold {self.threshold:g})")
         if self.path is not None:
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            with open(self.path, "a") as f:
-                f.write("".join(json.dumps({"time": now, "step": step, **s}) + "\n" for s in named))
+            append_line(self.path, "".join(json.dumps({"time": now, "step": step, **s}) + "\n" for s in named))
