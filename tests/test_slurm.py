@@ -927,6 +927,36 @@ def test_a_crash_and_a_hang_restart_in_the_job_or_requeue_away_from_their_node_b
 
 
 @pytest.mark.slow
+def test_in_job_restarts_spent_fall_back_to_a_requeue_within_the_same_budget_bit_for_bit(slurm, drill_flags, uninterrupted,
+                                                                                          tmp_path):
+    """One budget for both: a 2-node job with ``--max-restarts 1`` whose rank 1 is killed at step 3 and
+    again at step 5. The first crash is restarted inside the job (torchrun may restart once: the whole
+    budget at step 0); from the checkpoint of step 4 the second finds torchrun's restarts spent, so the
+    attempt fails and is requeued (one failure since that checkpoint: within the budget), without the
+    failed node, and the next attempt, whose torchrun may restart no more (the budget left at step 4),
+    finishes. All 16 steps' losses equal the uninterrupted run's bit for bit."""
+    [(code, output)] = submit_many(tmp_path, [[
+        "submit", "--recipe", str(TINY), "--nodes", "2", "--gpus-per-node", "0", "--time", "00:10:00", "--runs-root",
+        str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs"), "--max-restarts", "1", "--", *map(str, drill_flags),
+        "--inject-fault", "crash@3:1", "--inject-fault", "crash@5:1"]])
+    assert code == 0, output
+    [job] = job_ids(output)
+    run = tmp_path / "runs" / "tiny_cpu"
+    slurm.wait_for(job, {"COMPLETED"}, restarts=1, timeout=600)
+    text = (tmp_path / "logs" / f"tiny_cpu-{job}.out").read_text()
+    attempts = starts(run)
+    assert [(a["start_step"], a["end_step"], a["exit_code"], a["ended"], a["next"], [r["step"] for r in a.get("in_job_restarts", [])])
+            for a in attempts] == [(0, 4, 137, "failed", "requeued", [2]), (4, 16, 0, "finished", "done", [])], attempts
+    assert (f"=== the training failed (exit code 137) at step 4 of 16 after 1 in-job restart: requeueing job {job} (restart 1 "
+            "of --max-restarts 1 from this checkpoint), excluding node") in text, text[-3000:]
+    assert attempts[0]["excluded"] == [attempts[0]["failed_task"]["node"]], attempts
+    same_losses(run, uninterrupted)
+    print(f"\nslurm job {job} (2 nodes, --max-restarts 1, crash@3:1, crash@5:1): attempts "
+          f"{[(a['nodes'], a['start_step'], a['end_step'], a['ended'], a.get('in_job_restarts'), a.get('excluded')) for a in attempts]}; "
+          "losses of all 16 steps equal the uninterrupted run's bit for bit")
+
+
+@pytest.mark.slow
 def test_bad_input_found_after_submitting_is_retried_neither_in_the_job_nor_by_a_requeue(slurm, drill_flags, tmp_path):
     """Two 1-node jobs whose recipe went bad after submitting (held, edited, released), one per launch:
     ``tasks`` (no in-job restarts) and ``torchrun`` (in-job restarts: the worker that finds bad input
