@@ -241,6 +241,17 @@ def test_shards_merge_into_what_one_process_writes_and_a_rerun_skips_complete_sh
     assert code == 2 and "10 shards of 9 input files: use at most 9 shards" in err
     code, out, err = in_process(merge_corpus, "--output-prefix", tmp_path / "x", "--shards", 2)
     assert code == 2 and "x_shard-00000-of-00002.bin/.idx not there" in err
+    # shard 1 made again with another tokenizer (the same token type: the .idx cannot tell): refused, naming the shards
+    other = load_tokenizer(train_tokenizer([str(p) for p in SOURCES], str(tmp_path / "sp400.model"), 400, show_progress=False))
+    assert in_process(preprocess_data, "--input", *inputs, "--tokenizer", other.path, "--output-prefix", prefix, "--shard", "1/4",
+                      "--workers", 1)[0] == 0
+    before = Path(f"{prefix}.bin").read_bytes()
+    code, out, err = in_process(merge_corpus, "--output-prefix", prefix, "--shards", 4)
+    assert code == 2 and out == "" and err.strip() == (
+        f"error: the prefixes were tokenized with different tokenizers (sharded_shard-00000-of-00004 and 2 more: tokenizer "
+        f"sha256 {tokenizer.sha256[:12]}…; sharded_shard-00001-of-00004: tokenizer sha256 {other.sha256[:12]}…): tokenize "
+        "them again with one (tools/preprocess_data.py --tokenizer), the ids of one tokenizer mean other pieces in another")
+    assert Path(f"{prefix}.bin").read_bytes() == before  # the merged corpus left as it was
 
 
 def test_a_damaged_compressed_file_is_one_line_naming_it(tmp_path, tokenizer):
@@ -271,6 +282,25 @@ def test_a_damaged_compressed_file_is_one_line_naming_it(tmp_path, tokenizer):
                 rf"error: {re.escape(str(path))}: a damaged (gzip|zstd) file \(({reason})\) near byte [\d,]+ of "
                 rf"{len(content):,}: replace it or leave it out of the inputs \(--skip-bad-records skips bad records of a "
                 rf"readable file, not a damaged compressed one\)\n", err), (name, err)
+        path.unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    import pyarrow
+    import pyarrow.parquet
+
+    table = io.BytesIO()
+    pyarrow.parquet.write_table(pyarrow.table({"text": TEXTS * 40}), table, row_group_size=len(TEXTS) * 10)
+    good = table.getvalue()
+    pages = bytearray(good)
+    pages[200:260] = b"\xff" * 60  # inside the first data page's header
+    for name, content, reason in (("cut.parquet", good[:len(good) // 2], "Parquet magic bytes not found in footer"),
+                                  ("page.parquet", bytes(pages), "")):  # pyarrow's words: the page's header, or its data
+        path = tmp_path / name
+        path.write_bytes(content)
+        code, out, err = in_process(preprocess_data, "--input", path, "--tokenizer", tokenizer.path,
+                                    "--output-prefix", tmp_path / "out", "--workers", 1)
+        assert code == 2 and err.startswith(f"error: {path}: a damaged parquet file ({reason}") and err.endswith(
+            "): replace it or leave it out of the inputs (--skip-bad-records skips bad records of a readable file, not a "
+            "damaged one)\n") and err.count("\n") == 1, (name, err)
         path.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     frames = zstandard.ZstdCompressor().compress(jsonl(TEXTS[:5])) + zstandard.ZstdCompressor().compress(jsonl(TEXTS[5:]))

@@ -80,8 +80,9 @@ def test_fault_specs_and_spike_flags_are_checked_in_one_line():
         ("--inject-fault", "spike@6"): "training.inject_fault: 'spike@6': the spike detector compares a step with the median of "
                                        "the 20 before it (--spike-window 20), so it sees no spike before step 21: give a later "
                                        "step or a smaller --spike-window",
-        ("--spike-factor", "1"): "training.spike_factor must be > 1, training.spike_window >= 1 and training.max_rewinds >= 0",
-        ("--hang-timeout-minutes", "-1"): "training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0",
+        ("--spike-factor", "1"): "training.spike_factor must be > 1, got 1.0",
+        ("--spike-window", "0"): "training.spike_window must be >= 1, got 0",
+        ("--hang-timeout-minutes", "-1"): "training.hang_timeout_minutes must be >= 0, got -1.0",
         ("--spike-policy", "undo"): "--spike-policy must be one of ['off', 'warn', 'skip', 'rewind'], got 'undo'",
     }
     for argv, line in bad.items():

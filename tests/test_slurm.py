@@ -205,6 +205,10 @@ def dry_runs(tmp_path_factory):
                    "--dry-run", "--",
                    "--tensor-model-parallel-size", "1", "--sequence-parallel", "false", "--train-data-path", f"[{data['web']}]",
                    "--tokenizer-model", str(data["tokenizer"])],
+        "tp across nodes": ["submit", "--recipe", str(ROOT / "recipes" / "fbt_1b_100b.yaml"), "--nodes", "4", "--gpus-per-node", "4",
+                            "--gpu", "h100", "--time", "04:00:00", "--fit-global-batch", "--container-image", image,
+                            "--container-mounts", mount, "--dry-run", "--", "--tensor-model-parallel-size", "8",
+                            "--train-data-path", f"[{data['web']}]", "--tokenizer-model", str(data["tokenizer"])],
         "suggested": [*chain, *(a for name, flags in suggested.items() for a in ("--stage-args", f"{name}={flags}")), *data_args],
         "fitted": [*chain, "--fit-global-batch", *data_args],
         "serve": ["serve", str(data["export"]), "--time", "08:00:00", "--partition", "gpu", "--container-image", image,
@@ -342,6 +346,9 @@ def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_th
                     "--stage-args STAGE='FLAGS'")
     assert code == 2 and output.splitlines() == expected, output
 
+    code, output = cases["tp across nodes"]  # allowed (an NVLink domain may span nodes), said: the plan assumes NVLink
+    assert code == 0 and ("fbt_1b_100b: note: --tensor-model-parallel-size 8 spans nodes of 4 GPUs: every layer's all-reduces "
+                          "would cross the network") in output, output[:3000]
     code, output = cases["memory"]  # a layout that does not fit 24 GiB GPUs: the planner's line
     assert code == 2 and output.startswith("error: fbt_1b_100b: does not fit: ") and "activations alone" in output, output
     assert output.splitlines()[1:] == ["error: nothing submitted: 1 problem (the lines above)"], output

@@ -21,7 +21,7 @@ A bad record (invalid UTF-8, malformed JSON, a missing key, a value that is not 
 error naming its file and line (and, for UTF-8, the byte's column), unless ``BadRecords`` was
 given a limit (``--skip-bad-records N`` or ``P%``): then it is skipped, counted by kind and named
 in a ``warning:`` line (the first ten), and the read fails once more than the limit were skipped.
-A damaged compressed file (a bad CRC or frame, a file cut short) is an error naming the file and
+A damaged compressed or parquet file (a bad CRC, frame, footer or page; a file cut short) is an error naming the file and
 about where in it, whatever the limit: what follows the damage is lost in an unknown number of
 records, so the file is to be replaced or left out, not read in part.
 """
@@ -343,13 +343,19 @@ def _batches(source: Source, key: str, reading: Reading):
         return
     import pyarrow.parquet
 
-    file = pyarrow.parquet.ParquetFile(source.path)
-    _check_column(file.schema_arrow.names, key, source.path)
-    rows, size = 0, source.size
-    for batch in file.iter_batches(batch_size=1024, columns=[key]):
-        rows += batch.num_rows
-        reading.current = lambda rows=rows: size * rows // max(file.metadata.num_rows, 1)
-        yield batch.column(0)
+    try:  # pyarrow's own errors name no file: ArrowInvalid for a bad footer, OSError for a bad page
+        file = pyarrow.parquet.ParquetFile(source.path)
+        _check_column(file.schema_arrow.names, key, source.path)
+        rows, size = 0, source.size
+        for batch in file.iter_batches(batch_size=1024, columns=[key]):
+            rows += batch.num_rows
+            reading.current = lambda rows=rows: size * rows // max(file.metadata.num_rows, 1)
+            yield batch.column(0)
+    except (pyarrow.ArrowInvalid, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise  # the file system's, not the file's
+        raise ValueError(f"{source.path}: a damaged parquet file ({' '.join(str(e).split())}): replace it or leave it out of "
+                         "the inputs (--skip-bad-records skips bad records of a readable file, not a damaged one)") from None
 
 
 def _check_column(names: list[str], key: str, path: str) -> None:

@@ -158,10 +158,23 @@ def counts(prefix: str) -> dict:
 
 
 def merge(prefixes: list[str], output_prefix: str) -> dict:
-    """Concatenate `prefixes` in order into `output_prefix`.bin/.idx (atomically); returns its counts."""
+    """Concatenate `prefixes` in order into `output_prefix`.bin/.idx (atomically); returns its counts.
+    Prefixes recorded (shards) as made by different tokenizers are refused."""
     missing = [p for p in prefixes if not complete(p)]
     if missing:
         raise FileNotFoundError(f"{missing[0]}.bin/.idx not there (of {len(missing)} missing): prepare every shard first")
+    tokenizers = {}  # the tokenizer of each prefix that has a shard's record: one tokenizer for all
+    for prefix in prefixes:
+        try:
+            with open(record_path(prefix)) as f:
+                tokenizers.setdefault(json.load(f)["tokenizer_sha256"], []).append(prefix)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if len(tokenizers) > 1:
+        groups = "; ".join(f"{os.path.basename(ps[0])}{f' and {len(ps) - 1} more' if len(ps) > 1 else ''}: tokenizer "
+                           f"sha256 {sha[:12]}…" for sha, ps in tokenizers.items())
+        raise ValueError(f"the prefixes were tokenized with different tokenizers ({groups}): tokenize them again with one "
+                         "(tools/preprocess_data.py --tokenizer), the ids of one tokenizer mean other pieces in another")
     dtypes = {p: IndexedDataset(p, mmap=True).index.dtype for p in prefixes}
     if len(set(dtypes.values())) > 1:
         raise ValueError(f"the prefixes have different token types ({', '.join(f'{p}: {d.__name__}' for p, d in dtypes.items())}): "

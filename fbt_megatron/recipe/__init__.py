@@ -138,10 +138,12 @@ class TrainingSection:
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise RecipeError(f"training.exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
         nan_injections(self.inject_nan)  # a malformed spec: one error line before any work
-        if self.distributed_timeout_minutes < 1 or self.hang_timeout_minutes < 0:
-            raise RecipeError("training.distributed_timeout_minutes must be >= 1 and training.hang_timeout_minutes >= 0")
-        if self.spike_factor <= 1 or self.spike_window < 1 or self.max_rewinds < 0:
-            raise RecipeError("training.spike_factor must be > 1, training.spike_window >= 1 and training.max_rewinds >= 0")
+        for name, rule, holds in (("distributed_timeout_minutes", ">= 1", self.distributed_timeout_minutes >= 1),
+                                  ("hang_timeout_minutes", ">= 0", self.hang_timeout_minutes >= 0),
+                                  ("spike_factor", "> 1", self.spike_factor > 1), ("spike_window", ">= 1", self.spike_window >= 1),
+                                  ("max_rewinds", ">= 0", self.max_rewinds >= 0)):
+            if not holds:
+                raise RecipeError(f"training.{name} must be {rule}, got {getattr(self, name)}")
         if self.z_loss_coeff < 0:
             raise RecipeError(f"training.z_loss_coeff must be >= 0, got {self.z_loss_coeff}")
 

@@ -135,7 +135,7 @@ class StopCheck:
             log.info(f"{name} received: saving a checkpoint and stopping at the next step boundary{again}")  # the logging rank
         elif signal.SIGINT in (signum, signal.Signals[self.signal]):  # a second Ctrl-C: abort at once, as users expect
             what = f"a second {name}" if name == self.signal else f"{name} after {self.signal}"
-            log.warning(f"aborted by {what}: no checkpoint written", extra=logs.EVERY_RANK)
+            log.warning(f"aborted by {what}: no checkpoint written")  # the logging rank: every rank got the signal
             os._exit(130)
 
     def start_step(self) -> None:

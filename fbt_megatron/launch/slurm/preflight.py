@@ -222,6 +222,17 @@ def stage_paths(stage: Stage) -> List[Tuple[str, Optional[str]]]:
             ("data.corpus", source if d.train_data_path is None else None), ("data.tokenizer_model", d.tokenizer_model)]
 
 
+def tensor_parallel_note(recipe: Recipe, res: Resources) -> Optional[str]:
+    """A line when tensor parallelism spans nodes: its all-reduces of every layer's activations then go
+    over the network, which the plan's time does not price (it assumes the node's NVLink)."""
+    tp = recipe.parallel.tensor_model_parallel_size
+    if not res.gpus_per_node or tp <= res.gpus_per_node:
+        return None
+    return (f"note: --tensor-model-parallel-size {tp} spans nodes of {res.gpus_per_node} GPUs: every layer's all-reduces "
+            "would cross the network, several times slower than the NVLink the plan's time assumes, unless the nodes share "
+            f"an NVLink domain (NVL72): keep TP at most {res.gpus_per_node} and add pipeline or data parallelism")
+
+
 def plan_stage(stage: Stage, res: Resources, gpu=None, gpu_memory_gb: Optional[float] = None, fit: bool = False,
                signal_seconds: int = 0, first: bool = True, prepared: Sequence[Path] = ()) -> Check:
     """The problems of one stage on ``res`` (``first``: no stage before it provides its starting
@@ -257,7 +268,7 @@ def plan_stage(stage: Stage, res: Resources, gpu=None, gpu_memory_gb: Optional[f
             problem = f"checkpoint.pretrained_checkpoint {stage.pretrained} holds no checkpoint to start from"
         problems += [problem] if problem else []
     problems += data_problems(stage.config, prepared)
-    notes += filter(None, [vocabulary_note(stage.config)])
+    notes += filter(None, [vocabulary_note(stage.config), tensor_parallel_note(recipe, res)])
     if plan is None:
         return Check(problems, notes)
     lay, t = plan.layout, recipe.training

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from fbt_megatron.common import logs
+from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import append_synced
 from fbt_megatron.recipe.faults import ONCE, SLOW_SECONDS, SLOW_STEPS, SPIKE_FACTOR, Fault, parse_faults
 from fbt_megatron.trainer.callbacks.base import Callback
@@ -73,7 +74,7 @@ class Faults(Callback):
         what = {"crash": "dies (SIGKILL)", "hang": "hangs", "freeze": "hangs holding the interpreter"}[fault.kind]
         log.info(f"--inject-fault {fault}: rank {self.rank} {what} at the start of step {fault.step}", extra=logs.EVERY_RANK)
         if self.record is not None:
-            line = json.dumps({"fault": str(fault), "rank": self.rank, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            line = json.dumps({"fault": str(fault), "rank": self.rank, "time": utc()})
             append_synced(self.record, line + "\n")
 
 

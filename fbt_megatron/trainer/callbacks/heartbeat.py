@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import atomic_write
 from fbt_megatron.trainer.callbacks.base import Callback
 
@@ -47,7 +48,7 @@ class Heartbeat(Callback):
         self.last = now
         saved = checkpointing.latest_iteration(self.path.parent)
         record = {"step": state.iteration, "train_iters": self.train_iters, "tokens": state.tokens, "time": now,
-                  "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+                  "time_utc": utc(now),
                   "last_checkpoint": checkpointing.checkpoint_dir(self.path.parent, saved).name if saved is not None else None,
                   "pid": os.getpid(), "host": socket.gethostname()}
         atomic_write(self.path, json.dumps(record) + "\n")

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import List, Optional
 
 import torch.distributed as dist
 
+from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import atomic_write
 from fbt_megatron.common.platform import node_name
 
@@ -39,6 +39,6 @@ def record_ranks(save: Optional[str]) -> List[dict]:
     dist.all_gather_object(ranks, mine)
     if save is not None and dist.get_rank() == 0:
         Path(save).mkdir(parents=True, exist_ok=True)
-        record = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": len(ranks), "ranks": ranks}
+        record = {"started": utc(), "world_size": len(ranks), "ranks": ranks}
         atomic_write(Path(save) / RANKS, json.dumps(record) + "\n")
     return ranks

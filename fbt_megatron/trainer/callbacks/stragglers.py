@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 
 from fbt_megatron.common import logs, platform
+from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import append_line
 
 log = logging.getLogger(__name__)
@@ -197,5 +198,5 @@ class Stragglers:
         log.info(f"step {step}: straggler{'s' if len(named) > 1 else ''} {who}: own time per step over {steps} against the "
                  f"median {named[0]['median']:.3f} s of {len(self.ranks)} ranks (--straggler-threshold {self.threshold:g})")
         if self.path is not None:
-            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            now = utc()
             append_line(self.path, "".join(json.dumps({"time": now, "step": step, **s}) + "\n" for s in named))
