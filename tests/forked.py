@@ -47,6 +47,7 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import psutil
 
 from fbt_megatron.common.cli import run_cli
+from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent
 
@@ -115,7 +116,7 @@ def run_commands(module: str, commands: List[Command], timeout: int = 900, listi
     """The exit codes of ``python -m module *argv`` for each command, run one after another;
     ``listings`` (with ``listing``) gets, per command, the sorted entry names of ``listing`` after it;
     ``survivors`` the processes of each command's run alive 5 s after it ended."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_group()
     with tempfile.TemporaryDirectory() as tmp:
         spec, codes = Path(tmp) / "commands.json", Path(tmp) / "codes.json"
         spec.write_text(json.dumps({
@@ -138,7 +139,7 @@ def run_ranks(target: Sequence, nproc: int, log: Path, timeout: int = 900, each:
     """The exit code of ``target`` (``["-m", module, *argv]`` or ``[script, *argv]``) run as ``nproc``
     ranks (0: every rank succeeded; else the first failure's); all output in ``log``. ``each``: gets
     every rank's exit code, in rank order, and no rank is stopped when another fails."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_group()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory() as tmp, open(log, "w") as out:
         codes = Path(tmp) / "codes.json" if each is not None else None

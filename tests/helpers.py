@@ -1,5 +1,6 @@
 import torch
 
+from fbt_megatron.common.processes import outside_group
 from fbt_megatron.model.config import make_config
 from fbt_megatron.model.fbt_model import FBTModel
 
@@ -37,7 +38,7 @@ def launch(log, *args, nproc=None):
 
         return run_ranks(args, nproc, log), Path(log).read_text()
     root = Path(__file__).parent.parent
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env = outside_group()
     env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", *map(str, args)]
     with open(log, "w") as out:

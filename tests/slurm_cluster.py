@@ -1,16 +1,21 @@
 """A real Slurm of several nodes on this one machine, for the tests (../shared/notes/slurm-local.md,
 ../shared/notes/slurm-multinode.md).
 
-``SlurmCluster(nodes=3).start()`` gives every node a network namespace of its own (``fbt-n1`` …)
-with its own address (10.77.0.1 …) on a bridge, where slurmctld listens (10.77.0.254), and starts
+``SlurmCluster(nodes=3).start()`` gives every node a network namespace of its own (``fbt-<tag>-n1``
+…) with its own address (10.77.X.1 …) on a bridge (``fbtb<tag>``), where slurmctld listens
+(10.77.X.254, on a free port), and starts
 munged and slurmctld here and one ``slurmd -N nX`` inside each namespace, under the host name nX:
 jobs, their srun steps, torchrun's rendezvous and gloo's connections go from node to node over the
-bridge as on a cluster. The nodes resolve the node names (``/etc/netns/fbt-nX/hosts``, mounted over
+bridge as on a cluster. The nodes resolve the node names (``/etc/netns/<namespace>/hosts``, mounted over
 /etc/hosts for the node's slurmd and what it starts). Every other file the daemons write — munge key and
 socket, slurm.conf, state, spools, pid and log files — lies in a new folder under /tmp (munged
 wants every folder above its socket world-executable, which pytest's tmp_path is not). ``stop()``
 ends every process of the namespaces and the daemons, removes the namespaces, the bridge and the
-folder. Each node advertises this machine's CPUs (2 in CI), no GRES; the partition ``debug`` holds
+folder. Several clusters run side by side on one host (two test suites, a sandbox beside CI): each
+has its own tag (from its folder's name), subnet (the first 10.77.X/24 no interface holds, chosen
+under a host-wide lock) and slurmctld port; a cluster left by a killed test run is cleaned up by the
+next one to start only once the process that made it (``<folder>/owner``) is gone, by its folder's
+name and its own network's names, never by a pattern another live cluster matches. Each node advertises this machine's CPUs (2 in CI), no GRES; the partition ``debug`` holds
 them all.
 
 ``env`` is the environment for sbatch/scontrol (``SLURM_CONF``); ``job(id)`` reads ``scontrol show
@@ -31,9 +36,13 @@ here; a named container once per job).
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -41,14 +50,15 @@ from pathlib import Path
 from typing import Optional
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "ip", "nsenter", "unshare")
-BRIDGE, NETWORK, CONTROLLER = "fbt-br0", "10.77.0", 254  # the nodes: NETWORK.1, NETWORK.2, ...
+CONTROLLER = 254  # slurmctld's address on the bridge: <network>.254; the nodes <network>.1, <network>.2, ...
+LOCK = Path(tempfile.gettempdir()) / "fbt-slurm.lock"  # held while a cluster picks its subnet and builds its network
 
 SLURM_CONF = """\
 ClusterName=fbt-test
 SlurmctldHost={host}({network}.{controller})
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort=6817
+SlurmctldPort={port}
 SlurmdPort=6818
 AuthType=auth/munge
 AuthInfo=socket={base}/munge/munge.socket,cred_expire=10
@@ -104,14 +114,19 @@ class SlurmCluster:
         if self.pyxis:
             self.env.update(XDG_DATA_HOME=str(self.base / "local" / "enroot-data"), XDG_RUNTIME_DIR=str(self.base / "local" / "enroot-run"))
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
+        self.tag = re.sub(r"[^a-z0-9]", "0", self.base.name[-6:].lower())  # its network's names: fbtb<tag>, fbt-<tag>-nX
+        self.bridge, self.network, self.port = f"fbtb{self.tag}", None, None  # subnet and slurmctld port: at start
+        (self.base / "owner").write_text(str(os.getpid()))
         self._hurried = set()  # (job, restart) whose start was brought forward
 
     def address(self, node: str) -> str:
-        return f"{NETWORK}.{self.nodes.index(node) + 1}"
+        return f"{self.network}.{self.nodes.index(node) + 1}"
 
-    @staticmethod
-    def namespace(node: str) -> str:
-        return f"fbt-{node}"
+    def namespace(self, node: str) -> str:
+        return f"fbt-{self.tag}-{node}"
+
+    def veth(self, node: str) -> str:
+        return f"fbtv{self.tag}{node}"
 
     def _run(self, *cmd, check=True) -> str:
         run = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
@@ -121,7 +136,6 @@ class SlurmCluster:
 
     def start(self) -> "SlurmCluster":
         _end_leftovers()  # a test run killed before its teardown left its daemons, jobs and network
-        self._remove_network()
         munge = self.base / "munge"
         nodes_disks = (self.base / "local", *(self.base / "nodes" / n for n in self.nodes)) if self.pyxis else ()
         for folder in (munge, self.base / "state", *(self.base / "spool" / n for n in self.nodes), *nodes_disks):
@@ -130,14 +144,20 @@ class SlurmCluster:
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self._network()
+        with open(LOCK, "w") as lock:  # two clusters starting at once pick different subnets
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.network, self.port = _free_subnet(), _free_port()
+            (self.base / "network.json").write_text(json.dumps({"bridge": self.bridge, "namespaces": [self.namespace(n) for n in self.nodes],
+                                                                "veths": [self.veth(n) for n in self.nodes]}))
+            self._network()
         plugstack = ""
         if self.pyxis:
             (self.base / "plugstack.conf").write_text(f"required {self.pyxis} runtime_path={self.base}/local/pyxis container_scope=job\n")
             plugstack = f"PlugStackConfig={self.base}/plugstack.conf\n"
         nodes = "\n".join(NODE.format(name=n, address=self.address(n), cpus=os.cpu_count())
                           for n in self.nodes)
-        self.conf.write_text(SLURM_CONF.format(base=self.base, host=os.uname().nodename, network=NETWORK, controller=CONTROLLER, nodes=nodes,
+        self.conf.write_text(SLURM_CONF.format(base=self.base, host=os.uname().nodename, network=self.network, controller=CONTROLLER,
+                                               port=self.port, nodes=nodes,
                                                plugstack=plugstack, names=",".join(self.nodes)))
         self._run(_sbin("munged"), f"--key-file={key}", f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
                   f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed")
@@ -150,18 +170,18 @@ class SlurmCluster:
     def _network(self) -> None:
         """The bridge (slurmctld's address) and one namespace per node, wired to it by a veth pair."""
         ip = shutil.which("ip") or "/usr/sbin/ip"
-        self._run(ip, "link", "add", BRIDGE, "type", "bridge")
-        self._run(ip, "addr", "add", f"{NETWORK}.{CONTROLLER}/24", "dev", BRIDGE)
-        self._run(ip, "link", "set", BRIDGE, "up")
+        self._run(ip, "link", "add", self.bridge, "type", "bridge")
+        self._run(ip, "addr", "add", f"{self.network}.{CONTROLLER}/24", "dev", self.bridge)
+        self._run(ip, "link", "set", self.bridge, "up")
         names = "".join(f"{self.address(n)} {n}\n" for n in self.nodes)
         for node in self.nodes:
-            ns, veth = self.namespace(node), f"fbt-v{node}"
+            ns, veth = self.namespace(node), self.veth(node)
             hosts = Path("/etc/netns", ns, "hosts")
             hosts.parent.mkdir(parents=True, exist_ok=True)
             hosts.write_text(f"127.0.0.1 localhost\n{names}")
             self._run(ip, "netns", "add", ns)
             self._run(ip, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            self._run(ip, "link", "set", veth, "master", BRIDGE, "up")
+            self._run(ip, "link", "set", veth, "master", self.bridge, "up")
             self._run(ip, "netns", "exec", ns, "ip", "addr", "add", f"{self.address(node)}/24", "dev", "eth0")
             self._run(ip, "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
             self._run(ip, "netns", "exec", ns, "ip", "link", "set", "lo", "up")
@@ -222,15 +242,8 @@ class SlurmCluster:
         time.sleep(0.5)
         for log in [*self.base.glob("slurm*.log")] if keep_logs else ():
             shutil.copy(log, keep_logs / log.name)
-        self._remove_network()
+        _remove_network(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
-
-    def _remove_network(self) -> None:
-        for node in self.nodes:
-            subprocess.run(["ip", "netns", "del", self.namespace(node)], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"fbt-v{node}"], capture_output=True)  # its pair, where it outlived the namespace
-            shutil.rmtree(Path("/etc/netns", self.namespace(node)), ignore_errors=True)
-        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 
     def job(self, job_id: int) -> dict:
         """``scontrol show job`` as a dict (JobState, Restarts, ExitCode, NodeList, ExcNodeList, ...)."""
@@ -269,14 +282,49 @@ class SlurmCluster:
 
 
 def _end_leftovers() -> None:
-    """SIGKILL the processes of a cluster whose test run was killed (their command lines or working
-    folders name its folder, ``/tmp/fbt-slurm-*``): their ports and names would clash with a new one."""
-    for proc in Path("/proc").iterdir():
+    """The clusters a killed test run left (``/tmp/fbt-slurm-*`` whose ``owner`` process is gone):
+    SIGKILL the processes whose command lines or working folders name that folder, remove its
+    network and the folder. A live cluster's (its owner running) are left alone."""
+    for base in Path(tempfile.gettempdir()).glob("fbt-slurm-*"):
         try:
-            if proc.name.isdigit() and "fbt-slurm-" in (proc / "cmdline").read_text(errors="replace") + os.readlink(proc / "cwd"):
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+            os.kill(int((base / "owner").read_text()), 0)
+            continue  # its test run is alive
+        except (OSError, ValueError):
             pass
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and str(base) in (proc / "cmdline").read_text(errors="replace") + os.readlink(proc / "cwd"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+        _remove_network(base)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _remove_network(base: Path) -> None:
+    """The namespaces, veth pairs and bridge the cluster of folder ``base`` made (``network.json``)."""
+    try:
+        made = json.loads((base / "network.json").read_text())
+    except (OSError, ValueError):
+        return
+    for ns in made["namespaces"]:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
+    for link in [*made["veths"], made["bridge"]]:  # a veth where it outlived its namespace
+        subprocess.run(["ip", "link", "del", link], capture_output=True)
+
+
+def _free_subnet() -> str:
+    """The first 10.77.X (a /24) that no interface of this host has an address in."""
+    used = set(re.findall(r"inet 10\.77\.(\d+)\.", subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                                                                    text=True).stdout))
+    return f"10.77.{next(x for x in range(256) if str(x) not in used)}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def _sbin(name: str) -> str:

@@ -9,6 +9,7 @@ from forked import run_commands
 
 from fbt_megatron.recipe import RecipeError
 from fbt_megatron.recipe.flags import parse
+from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent
 SNAPSHOT = Path(__file__).parent / "snapshots" / "train_help.txt"
@@ -87,7 +88,7 @@ def test_torchrun_shows_the_first_failing_ranks_error_line():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_group()
     run = subprocess.run([sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node", "2", "--standalone", "-m",
                           "fbt_megatron.train", "--recipe", TINY, "--tensor-model-parallel-size", "3"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -9,6 +9,7 @@ import pytest
 # metadata.json of a checkpoint folder as each release writes it
 from fbt_megatron.common import compat
 from fbt_megatron.trainer import checkpointing
+from fbt_megatron.trainer.checkpointing import reading
 
 METADATA = {
     "0.16": {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1},
@@ -30,5 +31,5 @@ def test_a_checkpoint_this_megatron_core_cannot_read_is_one_line(tmp_path):
         assert compat.newer_checkpoint(folders["0.19"]) is None
     else:
         with pytest.raises(checkpointing.CheckpointError) as error:
-            checkpointing._common(folders["0.19"])
+            reading._common(folders["0.19"])
         assert str(error.value).endswith("cannot read: load it with megatron-core 0.19 (Python 3.12, requirements-mcore-latest.txt)")

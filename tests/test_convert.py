@@ -32,6 +32,7 @@ from fbt_megatron.inference.convert.from_hf import import_checkpoint
 from fbt_megatron.inference.convert.to_hf import export
 from fbt_megatron.inference.runs import load_run
 from fbt_megatron.model.fbt import Feedback, fuse_mask, run_pass
+from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent
 TOL = 1e-5
@@ -403,7 +404,7 @@ def test_training_at_tp2_starts_from_an_import(tmp_path, small_corpus):
 
 # ---------------------------------------------------------------- bad inputs
 def cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = outside_group()
     run = subprocess.run([sys.executable, "-m", "fbt_megatron.convert", *map(str, args)], capture_output=True,
                          text=True, cwd=ROOT, env=env, timeout=300)
     return run.returncode, run.stderr

@@ -129,7 +129,7 @@ def test_a_save_the_disk_cannot_take_is_one_line_and_keeps_the_checkpoints(tmp_p
                 rf"than its newest checkpoint takes \(4\.\d MiB\): free space on it or choose another --save; --load "
                 rf"{save} resumes from its newest complete checkpoint, iter_0000001\n", err), err[-3000:]
             assert [n for n in names if n.startswith("iter_")] == ["iter_0000001"], names
-            assert checkpointing._problems(save / "iter_0000001", collective=False) == []
+            assert checkpointing.damage(save / "iter_0000001", collective=False) == []
             assert checkpointing.latest_iteration(save) == 1
         assert "Traceback" not in out + err
 

@@ -40,9 +40,10 @@ from helpers import launch
 
 from fbt_megatron.common.errors import RecipeError
 from fbt_megatron.trainer.callbacks.heartbeat import read_heartbeat
-from fbt_megatron.trainer.callbacks.ranks import read_ranks
+from fbt_megatron.trainer.ranks import read_ranks
 from fbt_megatron.trainer.callbacks.stragglers import read_stragglers
-from fbt_megatron.trainer.metrics import read_metrics, tensorboard_scalars
+from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.scalars import tensorboard_scalars
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -160,7 +161,7 @@ def test_wandb_offline_run_is_resumed_and_holds_the_tensorboard_scalars(wandb_ru
 def _reference_param_norms(folder, iteration):
     """Each layer's parameter norm from the checkpoint's full tensors (one process, no sharding)."""
     from fbt_megatron.inference.runs import load_run
-    from fbt_megatron.trainer.callbacks.norms import layer_names
+    from fbt_megatron.trainer.norms import layer_names
 
     model = load_run(str(folder), iteration).model
     sums = {}

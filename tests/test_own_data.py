@@ -128,7 +128,7 @@ def test_the_stop_summary_says_the_step_reached_and_a_stale_tmp_is_removed(own):
     assert "trained to step 5: 1,280 tokens" in log and "trained to step 4" not in log, log[-2000:]
     assert f"removed iter_0000002.tmp from {run}: unfinished checkpoint of an aborted save" in log
     assert checkpointing.iterations(run) == [5] and not (run / "iter_0000002.tmp").exists()
-    assert not checkpointing._problems(checkpointing.checkpoint_dir(run, 5), collective=False)
+    assert not checkpointing.damage(checkpointing.checkpoint_dir(run, 5), collective=False)
 
 
 @pytest.mark.parametrize("name,message", [

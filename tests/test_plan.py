@@ -27,10 +27,11 @@ from fbt_megatron.model.flops import flops_per_token, normuon_flops_per_step
 from fbt_megatron.plan import main as plan_main
 from fbt_megatron.recipe import Recipe, RecipeError, load_recipe
 from fbt_megatron.trainer import build, loop
-from fbt_megatron.trainer.metrics import tensorboard_scalars
+from fbt_megatron.trainer.scalars import tensorboard_scalars
+from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+ENV = outside_group()
 PAPER = {  # recipe: (tokens, sequences per step, latent feedback)
     "fbt_1b_100b": (100e9, 36, True), "fbt_1b_200b": (200e9, 36, True), "fbt_1b_400b": (400e9, 36, True),
     "baseline_1b_100b": (100e9, 36, False), "baseline_1b_200b": (200e9, 36, False),

@@ -45,6 +45,7 @@ from fbt_megatron.recipe.faults import Fault, parse_faults
 from fbt_megatron.trainer.callbacks.spikes import Spikes
 from fbt_megatron.trainer.callbacks.watchdog import HANG_EXIT, diagnose
 from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -96,28 +97,35 @@ def test_spike_policies_decide_from_the_running_median(capsys):
     2.4 is not. A lasting level of 30 enters the window and stops being a spike once it is half
     the window: warn trains on every spike, skip vetoes them, rewind vetoes and asks for the rewind."""
     norms = [4.0, 3.0, 2.0, 2.0, 30.0, 2.4, 30.0, 30.0, 30.0]
-    decisions = {}
+    decisions, said = {}, {}
     for policy in ("off", "warn", "skip", "rewind"):
         training = SimpleNamespace(spike_policy=policy, spike_factor=10.0, spike_window=4, max_rewinds=1)
-        spikes, state = Spikes(training, None), SimpleNamespace(spike_window=[], spikes=0)
-        decisions[policy] = [spikes.vetoes(state, step, norm) for step, norm in enumerate(norms, start=1)]
-        assert state.spikes == (0 if policy == "off" else 2) and spikes.rewind_due == (policy == "rewind")
-        assert state.spike_window == ([] if policy == "off" else [2.4, 30.0, 30.0, 30.0])
+        spikes = Spikes(training, None)
+        decisions[policy] = [spikes.vetoes_update(SimpleNamespace(iteration=step - 1), norm) for step, norm in enumerate(norms, start=1)]
+        said[policy] = capsys.readouterr().out.splitlines()
+        assert spikes.spikes == (0 if policy == "off" else 2) and spikes.rewind_due == (policy == "rewind")
+        window = [] if policy == "off" else [2.4, 30.0, 30.0, 30.0]
+        assert spikes.state_dict() == {"window": window, "spikes": spikes.spikes, "rewinds": 0}
+        resumed = Spikes(training, None)  # its state saved and loaded: the next norm decided as by the uninterrupted one
+        resumed.load_state_dict(spikes.state_dict())
+        assert resumed.vetoes_update(SimpleNamespace(iteration=9), 400.0) == spikes.vetoes_update(SimpleNamespace(iteration=9), 400.0)
+        assert resumed.state_dict() == spikes.state_dict()
+        capsys.readouterr()
     spiking = [False, False, False, False, True, False, True, False, False]  # the 2nd 30 in a row: median (2.4+30)/2
     assert decisions == {"off": [False] * 9, "warn": [False] * 9, "skip": spiking, "rewind": spiking}
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == ("step 5: gradient norm 30 is 12× the median 2.5 of the last 4 steps (--spike-factor 10): spike 1, "
-                      "trained on (--spike-policy warn)")
-    assert out[2] == ("step 5: gradient norm 30 is 12× the median 2.5 of the last 4 steps (--spike-factor 10): spike 1, "
-                      "update skipped (--spike-policy skip)")
-    assert len(out) == 4 and out[1].startswith("step 7: gradient norm 30 is 14× the median 2.2 ")  # warn, skip: a line a spike
+    assert said["warn"][0] == ("step 5: gradient norm 30 is 12× the median 2.5 of the last 4 steps (--spike-factor 10): spike 1, "
+                               "trained on (--spike-policy warn)")
+    assert said["skip"][0] == ("step 5: gradient norm 30 is 12× the median 2.5 of the last 4 steps (--spike-factor 10): spike 1, "
+                               "update skipped (--spike-policy skip)")
+    assert said["warn"][1].startswith("step 7: gradient norm 30 is 14× the median 2.2 ")  # warn, skip: a line a spike
+    assert [len(said[p]) for p in ("off", "warn", "skip", "rewind")] == [0, 2, 2, 0]
     # (rewind says its line when it rewinds)
 
 
 def _torchrun(log: Path, flags: list, started: str = None) -> dict:
     """``python -m fbt_megatron.torchrun`` with 2 processes; its exit code, output, and the seconds
     from the moment ``started`` appeared in the output to the end."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_group()
     seen = None
     with open(log, "w") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node=2", "--standalone", "-m",

@@ -30,6 +30,7 @@ from fbt_megatron.recipe import load_recipe
 from fbt_megatron.trainer import checkpointing
 from fbt_megatron.trainer.callbacks.timeline import read_timeline
 from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
@@ -709,7 +710,7 @@ def training_worker(job: int, rank: int = 0):
 
 def torchrun_two(log: Path, flags: list) -> int:
     """``python -m fbt_megatron.torchrun`` with 2 processes (--standalone) of the training, here."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_group()
     with open(log, "w") as out:
         return subprocess.run([sys.executable, "-m", "fbt_megatron.torchrun", "--nproc-per-node=2", "--standalone", "-m",
                                "fbt_megatron.train", "--recipe", str(TINY), *map(str, flags)], cwd=ROOT, env=env,
@@ -1221,3 +1222,26 @@ def test_a_corpus_prepared_as_a_job_array_merges_into_what_one_process_writes(sl
     print(f"\nslurm prepare: array job {array} (2 shards, on nodes {nodes}) then merge job {merge} (afterok): {out}/web.bin/.idx "
           f"byte-identical to one process's ({one['documents']} documents, {one['tokens']:,} tokens); "
           f"{time.time() - began:.0f} s")
+
+
+def test_clusters_side_by_side_keep_to_their_own_names_and_network(slurm):
+    """Two more clusters start beside the suite's (two suites on one host, a sandbox beside CI): each
+    has its own subnet, slurmctld port and network names, runs its own two-node job, and stopping one
+    leaves the others' nodes up."""
+    others = [SlurmCluster(nodes=2), SlurmCluster(nodes=2)]
+    try:
+        for cluster in others:
+            cluster.start()
+        every = [slurm, *others]
+        assert len({c.network for c in every}) == len({c.port for c in every}) == len({c.bridge for c in every}) == 3
+        for cluster in others:
+            run = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", "hostname"], env=cluster.env, capture_output=True,
+                                 text=True, timeout=120)
+            assert run.returncode == 0 and sorted(run.stdout.split()) == ["n1", "n2"], run.stderr
+        others[0].stop()
+        others[1].wait_for_nodes("idle", others[1].nodes, timeout=10)
+        assert set(slurm._run("sinfo", "-h", "-N", "-o", "%N").split()) == set(slurm.nodes)  # the suite's controller answers
+        assert all(Path("/run/netns", slurm.namespace(n)).exists() for n in slurm.nodes)
+    finally:
+        for cluster in others:
+            cluster.stop()

@@ -28,6 +28,7 @@ from slurm_cluster import SlurmCluster, find_pyxis, missing_binaries
 from test_slurm import DRILL_STEPS, TINY, drill_flags, job_ids, last_step, same_losses, starts, submit_many, wait_until  # noqa: F401 (drill_flags: a fixture)
 
 from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent
 SQSH = Path(os.environ.get("FBT_IMAGE_SQSH", ROOT / ".image-build" / "fbt-megatron+26.06-cpu.sqsh"))
@@ -72,7 +73,7 @@ def pyxis_slurm(tmp_path_factory):
 def host_run(drill_flags, tmp_path_factory) -> list:
     """The drills' flags as 2 processes on one node (torchrun), on the host, with the image's stack."""
     folder = tmp_path_factory.mktemp("host-run")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_group()
     with open(folder / "log", "w") as out:
         code = subprocess.run([HOST_PYTHON, "-m", "fbt_megatron.torchrun", "--nproc-per-node=2", "--standalone", "-m",
                                "fbt_megatron.train", "--recipe", TINY, *map(str, drill_flags), "--save", folder / "run"],

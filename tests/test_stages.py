@@ -215,7 +215,9 @@ def test_a_checkpoint_moves_between_a_cpu_and_a_gpu_with_the_rng_streams_that_ma
     for p in model.parameters():
         p.main_grad.zero_()
     optimizer.step()  # the optimizer's state exists once it has stepped
-    cpu_streams, state = checkpointing._rng_streams, checkpointing._state
+    from fbt_megatron.trainer.checkpointing import state as held, writing
+
+    cpu_streams, state = held._rng_streams, held._state
     gpu = [("cuda", torch.arange(16, dtype=torch.uint8)), *((name, torch.full((16,), 7, dtype=torch.uint8))
                                                             for name, _ in cpu_streams()[1:])]
     as_on_a_gpu = lambda: [cpu_streams()[0], *gpu]  # noqa: E731
@@ -226,14 +228,14 @@ def test_a_checkpoint_moves_between_a_cpu_and_a_gpu_with_the_rng_streams_that_ma
         torch.manual_seed(5)
         expected = torch.get_rng_state()
         with monkeypatch.context() as m:
-            m.setattr(checkpointing, "_rng_streams", saving)
+            m.setattr(held, "_rng_streams", saving)
             if old:
-                m.setattr(checkpointing, "_state", unnamed)
+                m.setattr(writing, "_state", unnamed)
             checkpointing.save(tmp_path / folder, 1, model, optimizer, scheduler, vars(checkpointing.TrainState()))
         torch.manual_seed(99)
         capsys.readouterr()
         with monkeypatch.context() as m:
-            m.setattr(checkpointing, "_rng_streams", loading)
+            m.setattr(held, "_rng_streams", loading)
             checkpointing.load(tmp_path / folder, model, optimizer, scheduler)
         assert torch.equal(torch.get_rng_state(), expected)
         [line] = [line for line in capsys.readouterr().err.splitlines() if "RNG streams" in line]

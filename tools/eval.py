@@ -203,8 +203,7 @@ def markdown(rows: List[dict], info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    setup_logging()
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+", metavar="MODEL", help="run folders or Hugging Face export folders")
@@ -227,8 +226,12 @@ def main(argv=None) -> int:
                              "requirements-serve.txt, docs/serving.md)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default on CPU: 1, fastest for the tiny models' many small decoding steps)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def checked(args) -> tuple:
+    """(decode modes, models, the corpus every model is evaluated on or None) from the arguments;
+    an unknown mode, a bad number or a missing corpus raises before any work."""
     from fbt_megatron.model.decode_modes import mode_label, parse_mode
 
     modes = [mode_label(*parse_mode(m)) for m in args.modes]  # an unknown mode stops here
@@ -236,7 +239,6 @@ def main(argv=None) -> int:
         from fbt_megatron.inference.serving import require_vllm
 
         require_vllm("--backend vllm")  # before any export is written
-    modes = list(dict.fromkeys(modes))
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be positive (got {args.limit})")
     if args.batch_size < 1:
@@ -246,19 +248,13 @@ def main(argv=None) -> int:
     if corpus is not None and not (corpus / "docs.valid.jsonl").is_file():
         raise FileNotFoundError(f"--corpus {args.corpus}: not a prepared corpus folder (no docs.valid.jsonl; "
                                 f"tools/prepare_corpus.py makes one)")
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    cache = (Path(args.cache) if args.cache else output.parent / "exports").resolve()
-    quiet_library_warnings()
-    import torch
+    return list(dict.fromkeys(modes)), models, corpus
 
-    if args.threads or not torch.cuda.is_available():
-        torch.set_num_threads(args.threads or 1)
-    from fbt_megatron.evaluation.harness import ExportEvaluator, read_export_config, table_row
-    from fbt_megatron.evaluation.local_tasks import ensure_tasks
 
-    tasks = ensure_tasks(args.tasks_dir, args.documents, args.questions)
-    source = json.loads((Path(tasks.folder) / "tasks.json").read_text())["source"]
+def exported(models: List[tuple], corpus: Optional[Path], cache: Path, output: Path) -> List[Model]:
+    """Each model with its export (a run folder exported into ``cache`` first) and the corpus whose
+    held-out split it is also evaluated on; the corpus checks' warnings said."""
+    from fbt_megatron.evaluation.harness import read_export_config
 
     resolved: List[Model] = []
     for label, path, kind in models:
@@ -272,8 +268,13 @@ def main(argv=None) -> int:
         for line in warnings:
             tqdm.write(line)
         resolved.append(model)
-    own = {m.label: split_tasks(Path(m.corpus), output.parent / "split-tasks", args.documents)
-           for m in resolved if m.corpus is not None}
+    return resolved
+
+
+def evaluate_all(resolved: List[Model], modes: List[str], tasks, own: dict, args) -> tuple:
+    """(table rows, details): every model in every decode mode it has (a baseline: standard only),
+    on the local tasks and its own corpus split, one evaluator per model."""
+    from fbt_megatron.evaluation.harness import ExportEvaluator, table_row
 
     plan = [(m, mode) for m in resolved for mode in (modes if m.latent_feedback else ["standard"])]
     rows, details = [], []
@@ -297,6 +298,29 @@ def main(argv=None) -> int:
             bar.update(1)
         del evaluator
     bar.close()
+    return rows, details
+
+
+def main(argv=None) -> int:
+    setup_logging()
+    args = parser().parse_args(argv)
+    modes, models, corpus = checked(args)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    cache = (Path(args.cache) if args.cache else output.parent / "exports").resolve()
+    quiet_library_warnings()
+    import torch
+
+    if args.threads or not torch.cuda.is_available():
+        torch.set_num_threads(args.threads or 1)
+    from fbt_megatron.evaluation.local_tasks import ensure_tasks
+
+    tasks = ensure_tasks(args.tasks_dir, args.documents, args.questions)
+    source = json.loads((Path(tasks.folder) / "tasks.json").read_text())["source"]
+    resolved = exported(models, corpus, cache, output)
+    own = {m.label: split_tasks(Path(m.corpus), output.parent / "split-tasks", args.documents)
+           for m in resolved if m.corpus is not None}
+    rows, details = evaluate_all(resolved, modes, tasks, own, args)
     info = {"documents": tasks.documents, "questions": tasks.questions, "source": source, "limit": args.limit,
             "splits": {m.label: (m.corpus, own[m.label].documents) for m in resolved if m.label in own}}
     output.write_text(markdown(rows, info))
@@ -306,7 +330,6 @@ def main(argv=None) -> int:
     print(markdown(rows, info))
     print(f"wrote {output} and {json_path}")
     return 0
-
 
 if __name__ == "__main__":
     run_cli(main)

@@ -1,5 +1,6 @@
 """The UTC timestamps of the run folder's records (``ranks.json``, ``heartbeat.json``,
-``stragglers.jsonl``, ``injected_faults.jsonl``; the Slurm job's ``jobs.jsonl`` writes the same form
+``stragglers.jsonl``, ``injected_faults.jsonl``, ``metrics.jsonl``'s ``time_utc`` and each step's log
+line; the Slurm job's ``jobs.jsonl`` writes the same form
 from the batch shell): ISO 8601 to the second, ``2026-12-07T14:22:46Z``."""
 
 from __future__ import annotations

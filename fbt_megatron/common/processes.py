@@ -23,6 +23,16 @@ import threading
 import time
 from typing import Optional
 
+GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torch.distributed's rendezvous
+
+
+def outside_group(environ: Optional[dict] = None) -> dict:
+    """``environ`` (default: this process's environment) without torch.distributed's rendezvous
+    variables: a command started from inside a job's process (a test, the rehearsal, a GPU check)
+    sets up its own world rather than joining this one's."""
+    return {k: v for k, v in (os.environ if environ is None else environ).items() if k not in GROUP_VARIABLES}
+
+
 _PR_SET_PDEATHSIG = 1
 _libc = None
 _parent = None  # in the parent at fork time: (its pid, whether the main thread forked)

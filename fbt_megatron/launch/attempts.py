@@ -55,7 +55,7 @@ from pathlib import Path
 
 ATTEMPTS = "jobs.jsonl"
 TRACKER = "latest_checkpointed_iteration.txt"
-RANKS, TIMELINE, STRAGGLERS = "ranks.json", "timeline.jsonl", "stragglers.jsonl"  # the training's (trainer/callbacks/ranks.py,
+RANKS, TIMELINE, STRAGGLERS = "ranks.json", "timeline.jsonl", "stragglers.jsonl"  # the training's (trainer/ranks.py,
 # timeline.py, stragglers.py)
 STATUS = "exit_status.json"  # how the training ended (stopping.py): a hang's stuck ranks
 BAD_INPUT, HANG = 2, 124  # cli.py's exit code for bad input; trainer/callbacks/watchdog.py's for a hang

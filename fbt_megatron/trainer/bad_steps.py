@@ -10,7 +10,8 @@ check costs no extra communication and no extra host sync (with ``--clip-grad 0`
 would not compute the norm: then it is computed for this check), and every rank skips the same steps. A
 NaN or Inf loss reaches it too: the backward of a non-finite loss makes the gradient non-finite.
 
-``--inject-nan`` is a testing aid in the spirit of Megatron-LM's ``--error-injection-rate``:
+``--inject-nan`` (its callback: ``callbacks.faults.NaNInjection``) is a testing aid in the spirit
+of Megatron-LM's ``--error-injection-rate``:
 ``"loss@3,grad@5-6,grad@9:inf"`` poisons step 3's forward (the token embeddings are multiplied by
 NaN, so the step's loss is NaN: a poisoned batch), the gradients of steps 5 and 6 (after the
 backward, every rank multiplies its first parameter's gradient by NaN) and step 9's by Inf.
@@ -19,14 +20,12 @@ Steps are counted from 1, as in the logs.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable, Optional, Tuple
 
 import torch
 
 from fbt_megatron.common.errors import BadStepsError
-from fbt_megatron.recipe import nan_injections
 
 
 @torch.no_grad()
@@ -34,7 +33,7 @@ def optimizer_step(optimizer, veto: Optional[Callable[[float], bool]] = None) ->
     """(updated, global gradient norm) of one step of a megatron-core optimizer (FP32, mixed
     precision, distributed, chained, layer-wise); no update when the norm is not finite, nor when
     the fp16 loss scaler found an overflow (norm None: its scale is lowered, as in megatron-core),
-    nor when ``veto(norm)`` (a spike: ``trainer.callbacks.spikes``)."""
+    nor when ``veto(norm)`` (the loop's callbacks: a spike, ``trainer.callbacks.spikes``)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     if optimizer.prepare_grads():
@@ -77,31 +76,3 @@ class BadSteps:
             f"{self.consecutive} consecutive steps with a NaN/Inf loss or gradient norm ({steps}; --max-bad-steps "
             f"{self.max_bad_steps}): {where}; lower --lr or check the data of these steps"
         )
-
-
-class NaNInjection:
-    """The ``--inject-nan`` spec (see the module docstring; parsed by ``recipe.nan_injections``)."""
-
-    def __init__(self, spec: Optional[str]):
-        self.steps = nan_injections(spec)  # step → (what, factor)
-
-    @contextlib.contextmanager
-    def forward(self, step: int, model):
-        """Around step ``step``'s forward-backward: a poisoned batch (NaN embeddings) when asked."""
-        what, factor = self.steps.get(step, (None, 1.0))
-        embedding = getattr(model, "embedding", None)  # the first pipeline stage's
-        if what != "loss" or embedding is None:
-            yield
-            return
-        handle = embedding.register_forward_hook(lambda module, args, out: out * factor)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-    def gradient(self, step: int, model) -> None:
-        """After step ``step``'s backward: a poisoned gradient when asked."""
-        what, factor = self.steps.get(step, (None, 1.0))
-        if what == "grad":
-            param = next(p for p in model.parameters() if p.requires_grad)
-            param.main_grad.mul_(factor)

@@ -2,19 +2,22 @@
 
 Set up: where the run starts (``stages``), its learning-rate curve (``optimizers.schedule``), the
 process groups, the data (prepared by the entry point, loaded here: ``data``), the model and
-optimizer (``build``); every rank's node is recorded (``callbacks.ranks``: ``<save>/ranks.json``).
+optimizer (``build``); every rank's node is recorded (``ranks``: ``<save>/ranks.json``).
 The recipe then says which callbacks the run has, in their order
 (``callbacks.registry.callbacks_for``; the protocol: ``callbacks.base``). Then every step, top to
 bottom: pick k for this step (the pass schedule, ``passes``) → one step (``step.TrainStep``: the
-callbacks' ``on_step_start`` once its clock runs, e.g. an injected fault;
-megatron-core's forward-backward schedule over the microbatches, each doing k passes; gradients
-reduced by DDP; the optimizer step; the learning-rate step) → advance the state → validate when due
-(``step.validation_due``, at its own interval) → record and log (``metrics.TrainingLog``: the
-validation, stragglers) → ``on_step_end`` with that record (W&B; after a loss spike, the rewind:
-``callbacks.spikes``) → the stop check (``stopping``) → save, and decide whether to exit
-(``saver.Saver``) → ``on_save`` (the heartbeat, naming that save; the hang watchdog's kick:
-``callbacks.watchdog``). After the last step ``on_stop``; an exception reaches ``on_failure`` first,
-then goes on; the log's summary line, then every callback's ``close``.
+callbacks' ``on_step_start`` once its clock runs, e.g. an injected fault; megatron-core's
+forward-backward schedule over the microbatches, each doing k passes; gradients reduced by DDP; the
+callbacks' ``pre_optim_step``; the optimizer step unless the norm is NaN/Inf or a callback vetoes it,
+``vetoes_update``: a loss spike, ``callbacks.spikes``; the learning-rate step) → advance the state →
+validate when due (``step.validation_due``, at its own interval) → record and log
+(``metrics.TrainingLog``: time, memory, the validation, stragglers) → ``on_step_end`` with that
+record (W&B; after a loss spike, the rewind) → the stop check (``stopping``) → save, the callbacks'
+states with the checkpoint, and decide whether to exit (``saver.Saver``) → ``on_save`` (the
+heartbeat, naming that save; the hang watchdog's kick: ``callbacks.watchdog``). A resumed run's
+callbacks get their saved states back before ``on_start``. After the last step ``on_stop``; an
+exception reaches ``on_failure`` first, then goes on; the log's summary line, then every callback's
+``close``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from fbt_megatron.recipe import Recipe
 from fbt_megatron.trainer import checkpointing, stages
 from fbt_megatron.trainer.build import build_model, build_optimizer
 from fbt_megatron.trainer.callbacks.base import Callback
-from fbt_megatron.trainer.callbacks.ranks import record_ranks
+from fbt_megatron.trainer.ranks import record_ranks
 from fbt_megatron.trainer.callbacks.registry import callbacks_for
 from fbt_megatron.trainer.callbacks.watchdog import arm_flight_recorder, collective_timeout_s
 from fbt_megatron.trainer.checkpointing import TrainState
@@ -72,7 +75,7 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
     training_log = TrainingLog(recipe, config, passes, state, ranks, active=is_logger)
     step = TrainStep(recipe, model, ddp, optimizer, scheduler, data.train, schedule, state.skipped_steps)
     saver = Saver(recipe, model, optimizer, scheduler, state)
-    callbacks = callbacks_for(recipe, state, step, saver, active=is_logger, ranks=ranks,
+    callbacks = callbacks_for(recipe, state, step, saver, dist.get_rank(), active=is_logger, ranks=ranks,
                               load_seconds=origin.load_seconds if origin else 0.0, extra=callbacks)
     notes = [origin and origin.note, *notes, validation_note(data.valid, recipe), epochs_note(data.train, recipe)]
     log.info("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *filter(None, notes)]))
@@ -86,7 +89,7 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
             state.advance(k, t.global_batch_size, t.global_batch_size * recipe.data.seq_length, step.bad.skipped)
             valid = evaluate(recipe, config, ddp, data.valid) if validation_due(recipe, state.iteration) else {}
             callbacks.step_end(state, training_log.end_step(state, k, result, valid))
-            exiting = saver.save_and_decide_exit(state, stop.stop_reason(), step.bad)
+            exiting = saver.save_and_decide_exit(state, stop.stop_reason(), step.bad, callbacks)
             callbacks.save(state, saver.last)
             if exiting:
                 break
@@ -99,7 +102,7 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
         stop.close()
         training_log.close(state)  # its summary line, then the callbacks' close (W&B's last lines after it)
         callbacks.close()
-    saver.finish(state, stop)
+    saver.finish(state, stop, callbacks)
     return training_log.records
 
 
@@ -131,5 +134,5 @@ def _build(recipe: Recipe, origin, saved, data, schedule: dict) -> tuple:
     if origin is not None:
         stages.load(origin, recipe, model, optimizer, scheduler)
     if saved is not None:
-        state = TrainState(**{**saved, **{k: getattr(state, k) for k in ("pass_schedule", "lr_schedule", "recipe", "vocab_size")}})
+        state = TrainState.from_saved({**saved, **{k: getattr(state, k) for k in ("pass_schedule", "lr_schedule", "recipe", "vocab_size")}})
     return vocab, config, model, ddp, optimizer, scheduler, passes, state

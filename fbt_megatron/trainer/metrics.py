@@ -1,6 +1,6 @@
 """Training logs: one record per logged step, to stdout, TensorBoard and ``<save>/metrics.jsonl``;
-the loop's callbacks get it next (Weights & Biases, ``--wandb-project``: ``callbacks.wandb_writer``,
-the TensorBoard tags).
+the loop's callbacks get it next (Weights & Biases, ``--wandb-project``: ``callbacks.wandb_writer``).
+Both take a record's scalars under the same tags (``scalars``).
 
 ``TrainingLog`` makes the records: the window of steps since the last one (its time, throughput and
 MFU), the losses, the pass schedule's phase and shares, the z-loss, validation, stragglers
@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 from fbt_megatron.common.cli import plural
+from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import atomic_write
+from fbt_megatron.trainer.memory import describe as describe_memory, largest_over_ranks, peak
+from fbt_megatron.trainer.scalars import tensorboard_scalars
 
 log = logging.getLogger(__name__)
 
@@ -30,51 +32,6 @@ METRICS = "metrics.jsonl"
 def read_metrics(folder) -> list:
     path = Path(folder) / METRICS
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-# TensorBoard tags: Megatron-LM's names where it has the quantity (its dashboards and scripts
-# work unchanged), ``fbt/...`` for what only FBT has. metrics.jsonl keeps the record's keys.
-TAGS = {
-    "loss": "lm loss",
-    "lr": "learning-rate",
-    "grad_norm": "grad-norm",
-    "iteration_time": "iteration-time",
-    "tokens_per_s": "tokens-per-sec",
-    "tokens": "consumed-tokens",
-    "k": "fbt/passes",
-    "compute_tokens": "fbt/compute-tokens",
-    "model_tflops_per_gpu": "throughput",  # Megatron-LM's name for model TFLOP/s per GPU
-    "tokens_per_s_per_gpu": "tokens-per-sec-per-gpu",
-    "mfu": "mfu",
-    "phase": "fbt/pass-phase",
-    "z_loss": "z-loss",
-    "skipped_steps": "skipped-steps",  # steps whose update was skipped (NaN/Inf gradient norm)
-}
-
-
-def tensorboard_scalars(record: dict) -> dict:
-    """A logged record as TensorBoard tag → value."""
-    out = {}
-    for key, value in record.items():
-        if key in ("step", "time") or value is None:
-            continue
-        if key == "pass_losses":  # passes 1..k
-            out.update({f"fbt/lm loss pass{j}": v for j, v in enumerate(value, start=1)})
-        elif key == "state_deltas":  # ‖s^{(j)} − s^{(j−1)}‖ for passes 2..k
-            out.update({f"fbt/state delta pass{j}": v for j, v in enumerate(value, start=2)})
-        elif key in ("param_norms", "grad_norms"):  # per layer (callbacks.norms)
-            out.update({f"{'params-norm' if key == 'param_norms' else 'grad-norm'}/{name}": v for name, v in value.items()})
-        elif key == "stragglers":  # the ranks named slow at this step (callbacks.stragglers): their ratio to the median
-            out.update({f"stragglers/rank{s['rank']}": s["ratio"] for s in value})
-        elif key == "k_share":  # the share of steps so far that ran k passes
-            out.update({f"fbt/pass-share k{k}": v for k, v in value.items()})
-        elif key.startswith("valid_loss_fused"):
-            out[f"fbt/lm loss validation fused{key.removeprefix('valid_loss_fused')}"] = value
-            if key == "valid_loss_fused0":  # no fused pass: the plain model's validation loss
-                out["lm loss validation"], out["lm loss validation ppl"] = value, math.exp(min(value, 20.0))
-        else:
-            out[TAGS.get(key, key)] = value
-    return out
 
 
 class PassShares:
@@ -145,13 +102,14 @@ class TrainingLog:
     """The log of a training run on this rank. Every step's time (``step.StepResult``: the step's
     own clock) joins the current window; a logged step (every ``--log-interval``, every validation
     and the last) makes a record: the objective and the per-pass losses (averaged over the
-    data-parallel ranks), ‖Δs‖, learning rate, gradient norm, skipped steps, the window's time per
-    step and throughput, tokens, MFU (``plan.flops.Throughput``), the pass phase and shares
+    data-parallel ranks), its time (Unix and UTC), ‖Δs‖, learning rate, gradient norm, skipped steps,
+    the window's time per step and throughput, tokens, MFU (``plan.flops.Throughput``), memory (the
+    largest rank's: ``memory``), the pass phase and shares
     (``PassShares``), the z-loss, every ``--log-layer-norms-interval`` steps each layer's norms
-    (``callbacks.norms``), the validation losses the loop measured after the step
+    (``norms``), the validation losses the loop measured after the step
     (``step.validation_due``) and the stragglers (``callbacks.stragglers``: every rank takes part).
     Only the last pipeline stage (``active``) has the losses and logs. ``ranks``: every rank's node
-    (``callbacks.ranks``)."""
+    (``ranks``)."""
 
     def __init__(self, recipe, config, passes, state, ranks: list, active: bool):
         import torch.distributed as dist
@@ -186,9 +144,10 @@ class TrainingLog:
         if not self.due(state.iteration):
             return None
         stragglers = self.stragglers.gather()  # every rank
+        memory = largest_over_ranks()  # every rank
         if not step.report:  # not the last pipeline stage: no losses here
             return None
-        record = self._record(state, k, step)
+        record = {**self._record(state, k, step), **memory}
         self.window_time, self.window_steps = 0.0, 0
         record.update(valid)
         if stragglers:
@@ -203,11 +162,12 @@ class TrainingLog:
         from fbt_megatron.trainer.step import data_parallel_mean
 
         report = data_parallel_mean(step.report)
-        losses = report["pass_losses"]
+        losses, now = report["pass_losses"], time.time()
         tokens_per_step = self.recipe.training.global_batch_size * self.recipe.data.seq_length
         record = {
             "step": state.iteration,
-            "time": round(time.time(), 3),  # when the step ended: Unix seconds (UTC), to line a run up with a cluster's events
+            "time": round(now, 3),  # when the step ended: Unix seconds, to line a run up with a cluster's events
+            "time_utc": utc(now),  # the same, ISO 8601 (the log line's)
             "k": k,
             "loss": sum(w * l for w, l in zip(pass_weights(self.config, k), losses)),
             "pass_losses": losses,
@@ -294,7 +254,8 @@ def epochs_note(train, recipe) -> Optional[str]:
 
 
 def format_record(r: dict) -> str:
-    parts = [f"step {r['step']:>6}", f"k {r['k']}", f"loss {r['loss']:.4f}"]
+    """A record's log line: its UTC time first (as Megatron-LM's iteration lines), then the step."""
+    parts = [f"{r['time_utc']} step {r['step']:>6}", f"k {r['k']}", f"loss {r['loss']:.4f}"]
     if "z_loss" in r:
         parts.append(f"z {r['z_loss']:.2e}")
     if len(r["pass_losses"]) > 1:
@@ -307,6 +268,8 @@ def format_record(r: dict) -> str:
     parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
     if "mfu" in r:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if peak(r) is not None:
+        parts.append(describe_memory(r))
     valid = [r[k] for k in sorted(r) if k.startswith("valid_loss_fused")]
     if valid:
         parts.append("valid " + "/".join(f"{v:.4f}" for v in valid))

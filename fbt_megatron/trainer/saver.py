@@ -43,9 +43,11 @@ class Saver:
         self.ending = self.reason = None  # why the run ends early ("exit_interval", "signal", "duration"); the stop's reason
         self.saves, self.save_time, self.started, self.first_step = 0, 0.0, time.perf_counter(), state.iteration
 
-    def save_and_decide_exit(self, state, reason: Optional[str], bad) -> bool:
+    def save_and_decide_exit(self, state, reason: Optional[str], bad, callbacks) -> bool:
         """After a step (``reason``: why ``stopping.StopCheck`` stops the run, or None; ``bad``: the
-        ``bad_steps.BadSteps`` record): save when due; True when the run ends here."""
+        ``bad_steps.BadSteps`` record; ``callbacks``: the loop's, their states saved with the
+        checkpoint): save when due; True when the run ends here."""
+        state.callbacks = callbacks.state_dict()
         t, c = self.recipe.training, self.recipe.checkpoint
         if self.background is not None:
             self.background.poll()  # finish the checkpoints written in the background by now
@@ -59,7 +61,7 @@ class Saver:
             self.saves, self.save_time = self.saves + 1, self.save_time + time.perf_counter() - saving
         if bad.too_many:
             self.wait()
-            write_status(c.save, "bad_steps", state.iteration, t.train_iters, self.last, counts=_counts(state))
+            write_status(c.save, "bad_steps", state.iteration, t.train_iters, self.last, counts=_counts(callbacks))
             raise bad.error(state.iteration, self.last)
         if reason or exiting:
             self.ending, self.reason = reason or "exit_interval", reason
@@ -71,22 +73,25 @@ class Saver:
         if self.background is not None:
             self.background.wait()
 
-    def finish(self, state, stop) -> None:
-        """After the run (``stop``: its ``stopping.StopCheck``): what saving cost, the exit status, the stop's line."""
+    def finish(self, state, stop, callbacks) -> None:
+        """After the run (``stop``: its ``stopping.StopCheck``; ``callbacks``: the loop's): what saving
+        cost, the exit status, the stop's line."""
         t, c = self.recipe.training, self.recipe.checkpoint
         if self.saves:
             steps, wall = state.iteration - self.first_step, time.perf_counter() - self.started
             log.info(f"{plural(steps, 'step')} in {wall:.1f} s ({wall / max(steps, 1):.3f} s per step), of which saving "
                      f"{plural(self.saves, 'checkpoint')} "
                      f"held up training {self.save_time:.1f} s" + (" (written in the background: --async-save)" if self.background else ""))
-        write_status(c.save, self.ending or "finished", state.iteration, t.train_iters, self.last, stop.signal, _counts(state))
+        write_status(c.save, self.ending or "finished", state.iteration, t.train_iters, self.last, stop.signal, _counts(callbacks))
         if self.reason:  # said by the logging rank, after its other lines: one process writes them, in order
             log.info(stop_line(stop.describe(self.reason), state.iteration, c.save, self.last))
 
 
-def _counts(state) -> dict:
-    """What ``exit_status.json`` counts besides the end: the loss spikes and rewinds (``trainer.callbacks.spikes``)."""
-    return {"spikes": state.spikes, "rewinds": state.rewinds}
+def _counts(callbacks) -> dict:
+    """What ``exit_status.json`` counts besides the end: the loss spikes and rewinds (the state of
+    ``trainer.callbacks.spikes``)."""
+    spikes = callbacks.state_dict().get("spikes", {})
+    return {"spikes": spikes.get("spikes", 0), "rewinds": spikes.get("rewinds", 0)}
 
 
 def other_run(folder) -> Optional[str]:

@@ -1,14 +1,16 @@
 """One training step, and validation: the microbatches of a global batch through the pass-aware
 schedule.
 
-``TrainStep``, top to bottom: zero the gradients → the callbacks' ``on_step_start``
-(``callbacks.base``; ``--inject-fault``: a crash, hang or slow step of this rank,
-``callbacks.faults``) → (``--inject-nan``: a poisoned batch) → megatron-core's
-forward-backward schedule over this rank's microbatches, each doing k passes (``distributed.pipeline``:
-all passes in one forward step at PP = 1, passes as virtual pipeline chunks at PP > 1), gradients
-reduced by DDP → (a poisoned or spiking gradient) → the optimizer step, skipped for a NaN/Inf
-gradient norm (``bad_steps.optimizer_step``) or a spike to skip or rewind (``callbacks.spikes``) →
-the learning-rate step → the bad-step record. The step times itself: its whole time and this rank's
+``TrainStep`` keeps the forward-backward and the optimizer step; the loop's callbacks
+(``callbacks.base``) come in at three hooks. Top to bottom: zero the gradients → the callbacks'
+``on_step_start`` (``--inject-fault``: a crash, hang or slow step of this rank; ``--inject-nan``: a
+poisoned batch; ``callbacks.faults``) → megatron-core's forward-backward schedule over this rank's
+microbatches, each doing k passes (``distributed.pipeline``: all passes in one forward step at
+PP = 1, passes as virtual pipeline chunks at PP > 1), gradients reduced by DDP → the callbacks'
+``pre_optim_step`` (a drill's poisoned or spiking gradient) → the optimizer step, skipped for a
+NaN/Inf gradient norm (``bad_steps.optimizer_step``) or when a callback vetoes the update
+(``vetoes_update``: a spike to skip or rewind, ``callbacks.spikes``) → the learning-rate step → the
+bad-step record. The step times itself: its whole time and this rank's
 own part, up to the gradient reduction (``callbacks.stragglers.StepClock``). ``evaluate`` runs the
 validation batches forward only, after 0, 1, …, n fused passes, when ``validation_due``.
 """
@@ -31,10 +33,8 @@ from fbt_megatron.model.losses import z_loss_coefficient
 from fbt_megatron.model.sequence import shard_positions
 from fbt_megatron.optimizers.schedule import cooldown_start
 from fbt_megatron.recipe import Recipe
-from fbt_megatron.trainer.bad_steps import BadSteps, NaNInjection, optimizer_step
-from fbt_megatron.trainer.callbacks.faults import Faults
-from fbt_megatron.trainer.callbacks.norms import gradient_squares, layer_norms
-from fbt_megatron.trainer.callbacks.spikes import Spikes
+from fbt_megatron.trainer.bad_steps import BadSteps, optimizer_step
+from fbt_megatron.trainer.norms import gradient_squares, layer_norms
 from fbt_megatron.trainer.callbacks.stragglers import StepClock
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class StepResult:
     report: dict  # this rank's per-pass losses, state deltas and z-loss (tensors); empty before the last pipeline stage
     grad_norm: Optional[float]  # the global gradient norm (None: the fp16 loss scaler found an overflow)
     lr: float  # the learning rate after the step (the first param group's)
-    layer_norms: Optional[dict] = None  # every --log-layer-norms-interval steps: callbacks.norms.layer_norms
+    layer_norms: Optional[dict] = None  # every --log-layer-norms-interval steps: norms.layer_norms
     seconds: float = 0.0  # the step's wall time
     own: Optional[float] = None  # this rank's own seconds of it, up to the gradient reduction (callbacks.stragglers)
 
@@ -147,14 +147,12 @@ class TrainStep:
         t = recipe.training
         self.recipe, self.model, self.ddp, self.optimizer, self.scheduler = recipe, model, ddp, optimizer, scheduler
         self.dataset, self.cooldown = dataset, cooldown_start(lr_schedule)
-        self.injection, self.bad = NaNInjection(t.inject_nan), BadSteps(t.max_bad_steps, skipped_steps)
-        self.faults = Faults(t.inject_fault, recipe.checkpoint.save, dist.get_rank())  # --inject-fault
-        self.spikes = Spikes(t, recipe.checkpoint.save)  # --spike-policy
+        self.bad = BadSteps(t.max_bad_steps, skipped_steps)
         self.clock = StepClock(ddp.config, profile=bool(recipe.logging.straggler_threshold) and dist.get_world_size() > 1)
 
     def __call__(self, state, k: int, callbacks, measure_deltas: bool) -> StepResult:
         """The step after ``state`` (``checkpointing.TrainState``) with k passes; ``callbacks``: the
-        run's (``callbacks.base.Callbacks``), told once the step has begun; ``measure_deltas``:
+        run's (``callbacks.base.Callbacks``: the module docstring says when each is called); ``measure_deltas``:
         report the state deltas ‖Δs‖ too (log steps)."""
         self.clock.start(logged=measure_deltas)  # measure_deltas: a logged step
         t, step, model = self.recipe.training, state.iteration + 1, self.model
@@ -162,17 +160,15 @@ class TrainStep:
         model.z_loss.start_step(z_loss_coefficient(t, self.cooldown, state.iteration))
         self.optimizer.zero_grad()
         callbacks.step_start(state, k)  # inside the step's clock: an injected slow step counts in this rank's own time
-        with self.injection.forward(step, model):
-            report = run_schedule(self.recipe, self.ddp, self.dataset, state.consumed_samples, k, forward_only=False,
-                                  measure_deltas=measure_deltas)
-        self.injection.gradient(step, model)
-        self.faults.spike(step, model, report)
+        report = run_schedule(self.recipe, self.ddp, self.dataset, state.consumed_samples, k, forward_only=False,
+                              measure_deltas=measure_deltas)
+        callbacks.pre_optim_step(state, report)  # the gradients reduced, before their norm
         if report and t.z_loss_coeff:  # logged from the first step: 0 before the z-loss switches on
             report["z_loss"] = model.z_loss.value(model.config)
         interval = self.recipe.logging.log_layer_norms_interval
         grads = gradient_squares(model, self.ddp, float(self.optimizer.get_loss_scale())) if interval and step % interval == 0 else None
-        # no update when the gradient norm is NaN/Inf, or a spike to skip or rewind
-        updated, grad_norm = optimizer_step(self.optimizer, lambda norm: self.spikes.vetoes(state, step, norm))
+        # no update when the gradient norm is NaN/Inf, or a callback vetoes it (a spike to skip or rewind)
+        updated, grad_norm = optimizer_step(self.optimizer, lambda norm: callbacks.vetoes_update(state, norm))
         norms = layer_norms(model, grads) if grads is not None else None
         if updated:
             self.scheduler.step(increment=1)

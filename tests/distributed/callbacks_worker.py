@@ -1,6 +1,7 @@
 """Worker of tests/test_callbacks.py (one rank, tests/forked.py): two real runs of the training loop
 (``trainer.loop.train``) with a recording callback registered after the recipe's, one that ends
-and one stopped by too many NaN steps (``BadStepsError``). Each hook it sees is written, in
+and one stopped by too many NaN steps (``BadStepsError``), then the first resumed (its recorder's
+state back from the checkpoint). Each hook it sees is written, in
 order, to ``OUT/<run>.json``, with what the recipe's callbacks had done by then (the
 ``metrics.jsonl`` record of the step, the heartbeat's step and checkpoint).
 
@@ -27,8 +28,24 @@ def recorder(save: Path):
         return beat and [beat["step"], beat["last_checkpoint"]]
 
     class Recorder(Callback):
+        name = "recorder"  # its state's key in a checkpoint
+
         def __init__(self):
-            self.events = []
+            self.events, self.ends = [], 0  # its state: the step ends it has seen, a resumed run's included
+
+        def state_dict(self):
+            return {"ends": self.ends}
+
+        def load_state_dict(self, state_dict):
+            self.ends = state_dict["ends"]
+            self.events.append(["loaded", state_dict])
+
+        def pre_optim_step(self, state, report):
+            self.events.append(["pre_optim", state.iteration, "pass_losses" in report])
+
+        def vetoes_update(self, state, grad_norm):
+            self.events.append(["veto?", state.iteration])
+            return False
 
         def on_start(self, state):
             self.events.append(["start", state.iteration])
@@ -37,6 +54,7 @@ def recorder(save: Path):
             self.events.append(["step_start", state.iteration])
 
         def on_step_end(self, state, record):
+            self.ends += 1
             logged = read_metrics(save)
             self.events.append(["step_end", state.iteration, record and record["step"],
                                 logged[-1]["step"] if logged else None])
@@ -61,9 +79,10 @@ def main():
     from fbt_megatron.trainer import loop
 
     corpus, out = sys.argv[1], Path(sys.argv[2])
-    runs = {"finished": [], "failed": ["--inject-nan", "grad@2-3", "--max-bad-steps", "1"]}
+    runs = {"finished": [], "failed": ["--inject-nan", "grad@2-3", "--max-bad-steps", "1"],
+            "resumed": ["--load", str(out / "finished"), "--train-iters", "6", "--use-checkpoint-opt-param-scheduler"]}
     for name, flags in runs.items():
-        save = out / name
+        save = out / ("finished" if name == "resumed" else name)
         callback = recorder(save)
         try:
             loop.train(train.parse_args([*FLAGS, "--data-path", corpus, "--save", str(save), *flags]), callbacks=[callback])

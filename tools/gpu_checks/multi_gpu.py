@@ -16,6 +16,7 @@ from typing import Optional
 
 from gpu_checks.harness import Context, fmt, rel
 from gpu_checks.machine import NO_GPU
+from fbt_megatron.common.processes import outside_group
 
 TITLE = "multi-GPU vs 1 GPU (entry point, NCCL)"
 EXACT = False  # attention as training runs it (TE's non-deterministic backward allowed)
@@ -32,7 +33,7 @@ LAYOUTS = {
 
 def launch(cmd: list, log: Path, timeout: int, **extra_env) -> None:
     print("$ " + " ".join(shlex.quote(str(x)) for x in cmd), flush=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_group()
     env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
                **extra_env)
     with open(log, "w") as f:

@@ -28,6 +28,8 @@ from typing import List, Optional
 
 import psutil
 
+from fbt_megatron.common.processes import outside_group
+
 log = logging.getLogger(__name__)
 
 # Where a check compares bits or greedy tokens, on a GPU: cuBLAS in full FP32 (NVIDIA_TF32_OVERRIDE; NGC's
@@ -115,9 +117,7 @@ def run_stage(name: str, command: List, log: Path, cwd: Path, env: Optional[dict
               echo: bool = False) -> Measured:
     """Run ``command`` (its output to ``log``), sampling its memory; returns the measurements."""
     command = [str(c) for c in command]
-    env = {**os.environ, **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not this process's group
-        env.pop(key, None)
+    env = outside_group({**os.environ, **(env or {})})  # not this process's group
     lines = []
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()

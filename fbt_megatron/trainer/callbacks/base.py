@@ -4,10 +4,16 @@
 ``Callback``'s hooks, as ``trainer.loop.train`` calls them (``state``: the run's
 ``checkpointing.TrainState``, at the iteration just reached):
 
-* ``on_start(state)``: before the first step.
+* ``on_start(state)``: before the first step (its saved state already back: ``load_state_dict``).
 * ``on_step_start(state, k)``: a step of k passes has begun, its clock running and its gradients
   zeroed, before its batches (called by ``step.TrainStep``: what a callback does here counts in the
   step's time and in this rank's own part of it, ``stragglers``).
+* ``pre_optim_step(state, report)``: the step's gradients are reduced, before their norm and the
+  update (``report``: this rank's losses of the step, a dict of tensors; empty before the last
+  pipeline stage); e.g. a drill's loss spike (``faults``).
+* ``vetoes_update(state, grad_norm) -> bool``: the step's global gradient norm, finite, before the
+  update; True: the update is not applied (``spikes``). Every callback is asked, whatever the
+  others answer (a detector sees every norm).
 * ``on_step_end(state, record)``: after the step and its validation; ``record``: the step's log
   record, already on stdout, in ``metrics.jsonl`` and TensorBoard (``metrics.TrainingLog``), or
   None (not a logged step, or not the logging rank).
@@ -18,23 +24,43 @@
 * ``on_failure(state, error)``: an exception is leaving the loop (it is raised again afterwards).
 * ``close()``: always, last (after the log's summary line), in registration order.
 
+A callback that keeps state across steps says what to save (``state_dict() -> dict``; {}: none)
+and takes it back (``load_state_dict``): the loop saves every callback's under its ``name`` in each
+checkpoint's train state (``TrainState.callbacks``) and hands it back before ``on_start`` of a
+resumed run, so a resumed run's callbacks decide as the uninterrupted run's.
+
 ``Callbacks`` calls one hook of every callback in the order they were registered
 (``registry.callbacks_for`` states the run's order, and why).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 
 class Callback:
-    """A helper of the training loop: override the hooks it needs (the module docstring)."""
+    """A helper of the training loop: override the hooks it needs (the module docstring); ``name``:
+    the key of its state in a checkpoint."""
+
+    name = ""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
 
     def on_start(self, state) -> None:
         pass
 
     def on_step_start(self, state, k: int) -> None:
         pass
+
+    def pre_optim_step(self, state, report: dict) -> None:
+        pass
+
+    def vetoes_update(self, state, grad_norm: float) -> bool:
+        return False
 
     def on_step_end(self, state, record: Optional[dict]) -> None:
         pass
@@ -57,14 +83,33 @@ class Callbacks:
 
     def __init__(self, callbacks: Iterable[Callback]):
         self.callbacks: List[Callback] = list(callbacks)
+        names = [c.name for c in self.callbacks if c.name]
+        if len(set(names)) != len(names):
+            raise ValueError(f"callbacks share a name (their state's key in a checkpoint): {names}")
+
+    def state_dict(self) -> Dict[str, dict]:
+        """{name: state} of the callbacks that have state (saved in each checkpoint: ``TrainState.callbacks``)."""
+        return {c.name: s for c in self.callbacks if c.name for s in [c.state_dict()] if s}
 
     def start(self, state) -> None:
+        """Each callback's saved state back (``state.callbacks``: none from scratch), then ``on_start``."""
+        for callback in self.callbacks:
+            if callback.name in state.callbacks:
+                callback.load_state_dict(state.callbacks[callback.name])
         for callback in self.callbacks:
             callback.on_start(state)
 
     def step_start(self, state, k: int) -> None:
         for callback in self.callbacks:
             callback.on_step_start(state, k)
+
+    def pre_optim_step(self, state, report: dict) -> None:
+        for callback in self.callbacks:
+            callback.pre_optim_step(state, report)
+
+    def vetoes_update(self, state, grad_norm: float) -> bool:
+        """Whether any callback vetoes the update (every one is asked)."""
+        return any([callback.vetoes_update(state, grad_norm) for callback in self.callbacks])
 
     def step_end(self, state, record: Optional[dict]) -> None:
         for callback in self.callbacks:

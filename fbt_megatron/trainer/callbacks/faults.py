@@ -1,6 +1,8 @@
-"""Injected faults fired on this rank at their steps (the spec and what each kind does:
-``fbt_megatron.recipe.faults``). Crashes and hangs fire once per run folder: the rank that fires
-one first appends it to ``<save>/injected_faults.jsonl``, and a restart skips those found there."""
+"""Faults injected for drills, as callbacks of the loop: ``Faults`` (``--inject-fault``: crash,
+hang, freeze, slow step, loss spike; the spec and what each kind does: ``fbt_megatron.recipe.faults``)
+and ``NaNInjection`` (``--inject-nan``: a poisoned batch or gradient; the spec: ``recipe.nan_injections``).
+Crashes and hangs fire once per run folder: the rank that fires one first appends it to
+``<save>/injected_faults.jsonl``, and a restart skips those found there."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import List, Optional
 from fbt_megatron.common import logs
 from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import append_synced
+from fbt_megatron.recipe import nan_injections
 from fbt_megatron.recipe.faults import ONCE, SLOW_SECONDS, SLOW_STEPS, SPIKE_FACTOR, Fault, parse_faults
 from fbt_megatron.trainer.callbacks.base import Callback
 
@@ -26,13 +29,13 @@ FIRED = "injected_faults.jsonl"
 
 
 class Faults(Callback):
-    """The faults of one run on this rank (``rank``); ``save``: the run folder that records the
-    crashes and hangs already fired (None: this process alone). A callback of the loop: its crash,
-    hang, freeze or slow step at the step's start (``on_step_start``, inside the step's clock); the
-    step itself scales a spike's gradients (``spike``)."""
+    """The faults of one run on this rank (``rank``) of ``model`` (a spike's; None: no spikes); ``save``: the run folder that
+    records the crashes and hangs already fired (None: this process alone). Its crash, hang, freeze
+    or slow step at the step's start (``on_step_start``, inside the step's clock); a spike's
+    gradients and loss scaled before the update (``pre_optim_step``)."""
 
-    def __init__(self, specs: Optional[List[str]], save: Optional[str], rank: int):
-        self.rank, self.record = rank, Path(save) / FIRED if save else None
+    def __init__(self, specs: Optional[List[str]], save: Optional[str], rank: int, model=None):
+        self.rank, self.record, self.model = rank, Path(save) / FIRED if save else None, model
         fired = set()
         if self.record is not None and self.record.is_file():
             fired = {json.loads(line)["fault"] for line in self.record.read_text().splitlines() if line.strip()}
@@ -61,10 +64,10 @@ class Faults(Callback):
     def on_step_start(self, state, k: int) -> None:
         self.start_step(state.iteration + 1)
 
-    def spike(self, step: int, model, report: dict) -> None:
-        """After step ``step``'s backward: its loss (``report``) and gradients × SPIKE_FACTOR if a spike is due."""
-        if any(f.kind == "spike" and f.step == step for f in self.faults):
-            for param in model.parameters():
+    def pre_optim_step(self, state, report: dict) -> None:
+        """After the step's backward: its loss (``report``) and gradients × SPIKE_FACTOR if a spike is due."""
+        if any(f.kind == "spike" and f.step == state.iteration + 1 for f in self.faults):
+            for param in self.model.parameters():
                 if param.requires_grad:
                     param.main_grad.mul_(SPIKE_FACTOR)
             if "pass_losses" in report:
@@ -76,6 +79,36 @@ class Faults(Callback):
         if self.record is not None:
             line = json.dumps({"fault": str(fault), "rank": self.rank, "time": utc()})
             append_synced(self.record, line + "\n")
+
+
+class NaNInjection(Callback):
+    """``--inject-nan`` (``spec``; steps counted from 1, as in the logs) on ``model``: a poisoned
+    batch (the token embeddings × NaN in the step's forward: its loss is NaN) or gradient (every
+    rank's first parameter's × NaN or Inf after the backward), answered by ``bad_steps``."""
+
+    def __init__(self, spec: Optional[str], model):
+        self.steps, self.model, self.handle = nan_injections(spec), model, None  # step → (what, factor)
+
+    def on_step_start(self, state, k: int) -> None:
+        what, factor = self.steps.get(state.iteration + 1, (None, 1.0))
+        embedding = getattr(self.model, "embedding", None)  # the first pipeline stage's
+        if what == "loss" and embedding is not None:
+            self.handle = embedding.register_forward_hook(lambda module, args, out: out * factor)
+
+    def pre_optim_step(self, state, report: dict) -> None:
+        self._remove()
+        what, factor = self.steps.get(state.iteration + 1, (None, 1.0))
+        if what == "grad":
+            param = next(p for p in self.model.parameters() if p.requires_grad)
+            param.main_grad.mul_(factor)
+
+    def on_failure(self, state, error: BaseException) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 def _hold_the_interpreter() -> None:

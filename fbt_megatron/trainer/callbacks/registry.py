@@ -5,24 +5,27 @@ from __future__ import annotations
 from typing import List, Sequence
 
 from fbt_megatron.trainer.callbacks.base import Callback, Callbacks
+from fbt_megatron.trainer.callbacks.faults import Faults, NaNInjection
 from fbt_megatron.trainer.callbacks.heartbeat import Heartbeat
-from fbt_megatron.trainer.callbacks.spikes import Rewind
+from fbt_megatron.trainer.callbacks.spikes import Spikes
 from fbt_megatron.trainer.callbacks.timeline import Timeline
 from fbt_megatron.trainer.callbacks.wandb_writer import WandbWriter
 from fbt_megatron.trainer.callbacks.watchdog import Watchdog
 
 
-def callbacks_for(recipe, state, step, saver, active: bool, ranks: List[dict], load_seconds: float,
+def callbacks_for(recipe, state, step, saver, rank: int, active: bool, ranks: List[dict], load_seconds: float,
                   extra: Sequence[Callback] = ()) -> Callbacks:
     """The run's callbacks (``state``: where it starts; ``step``: its ``step.TrainStep``; ``saver``:
-    its ``saver.Saver``; ``active``: this rank logs; ``ranks``: every rank's node; ``load_seconds``:
-    what loading its checkpoint took), in the order every hook calls them:
+    its ``saver.Saver``; ``rank``: this process's; ``active``: this rank logs; ``ranks``: every
+    rank's node; ``load_seconds``: what loading its checkpoint took), in the order every hook calls them:
 
-    1. injected faults (``--inject-fault``: the step's ``Faults``): at the step's start, inside its clock;
+    1. injected faults (``--inject-fault``, ``--inject-nan``: ``faults``): at the step's start,
+       inside its clock; a spiking or poisoned gradient before the update;
     2. Weights & Biases (``--wandb-project``, the logging rank): each record after stdout,
        ``metrics.jsonl`` and TensorBoard have it; its run finishes after the log's summary line;
-    3. the spike rewind (``--spike-policy rewind``): after the spiking step's record, before the save
-       point, so the checkpoint saved next is of the rewound run;
+    3. the spike check (``--spike-policy`` other than off: ``spikes``, every rank, its state saved
+       in each checkpoint): it vetoes a spiking step's update; a rewind after that step's record,
+       before the save point, so the checkpoint saved next is of the rewound run;
     4. the heartbeat and the timeline (``--save``, the logging rank): after the save point, so they
        name the checkpoint just written; at the end, the step reached;
     5. the hang watchdog (``--hang-timeout-minutes``): kicked last, so a step, its validation, its
@@ -32,11 +35,13 @@ def callbacks_for(recipe, state, step, saver, active: bool, ranks: List[dict], l
     t, c, g = recipe.training, recipe.checkpoint, recipe.logging
     out = []
     if t.inject_fault:
-        out.append(step.faults)
+        out.append(Faults(t.inject_fault, c.save, rank, step.model))
+    if t.inject_nan:
+        out.append(NaNInjection(t.inject_nan, step.model))
     if g.wandb_project and active:
         out.append(WandbWriter(recipe))
-    if t.spike_policy == "rewind":
-        out.append(Rewind(step.spikes, step.model, step.optimizer, step.scheduler, saver, step.bad))
+    if t.spike_policy != "off":
+        out.append(Spikes(t, c.save, rewind_with=(step, saver)))
     if c.save and active:
         out += [Heartbeat(c.save, g.heartbeat_interval, t.train_iters), Timeline(c.save, saver, ranks, load_seconds)]
     if t.hang_timeout_minutes:

@@ -1,6 +1,6 @@
 """Weights & Biases with Megatron-LM's flags: ``--wandb-project P [--wandb-exp-name NAME]
 [--wandb-save-dir DIR]`` logs every record's scalars, under the same tags as TensorBoard
-(``metrics.tensorboard_scalars``: per-pass losses, validation, throughput, layer norms), with the
+(``trainer.scalars``: per-pass losses, validation, throughput, layer norms), with the
 recipe as the run's config. ``wandb`` is optional: imported only when asked for, and its absence is
 one line. ``--wandb-mode offline`` (or ``WANDB_MODE=offline``) writes the run under
 ``--wandb-save-dir`` (default ``<save>/wandb``) without a network; ``wandb sync`` uploads it later.
@@ -22,7 +22,7 @@ from pathlib import Path
 from fbt_megatron.common.io import atomic_write
 from fbt_megatron.recipe.wandb_check import require_wandb
 from fbt_megatron.trainer.callbacks.base import Callback
-from fbt_megatron.trainer.metrics import tensorboard_scalars
+from fbt_megatron.trainer.scalars import tensorboard_scalars
 
 RUN_ID = "wandb_run_id"
 
