@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     logs.setup_logging()
     quiet_library_warnings()
     recipe, world = parse_args(argv), int(os.environ.get("WORLD_SIZE", "1"))
+    logs.stamp_lines(recipe.logging.log_timestamps)
     # torch and megatron-core load once the flags are parsed: --help and a bad flag answer at once
     from fbt_megatron.launch.plan.planner import print_plan
     from fbt_megatron.launch.plan.this_machine import estimate_here

@@ -13,12 +13,14 @@ on disk damaged (issue 44, items 4b and 5):
 * any other write a full or read-only file system refuses (``cli.run_cli``): one line.
 
 Real conditions that stop root too, in real processes (``tests/forked.py``); the mounts need root
-(``mount``), and their cases are skipped where it is refused.
+(``mount``), and their cases are skipped where it is refused, except where ``FBT_REQUIRE_MOUNTS``
+is set (``.ci/run``, as root): there a refusal fails.
 """
 
 import contextlib
 import gzip
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -41,8 +43,11 @@ def mounted(target: Path, *args: str, needed: bool = True):
     target.mkdir(parents=True, exist_ok=True)
     run = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True)
     if run.returncode != 0:
+        problem = f"mount {' '.join(args)} is refused here ({run.stderr.strip()})"
+        if needed and os.environ.get("FBT_REQUIRE_MOUNTS"):  # CI runs as root: a refusal there is a failure, not a skip
+            pytest.fail(f"{problem} (FBT_REQUIRE_MOUNTS is set: .ci/run runs as root)")
         if needed:
-            pytest.skip(f"mount {' '.join(args)} is refused here ({run.stderr.strip()}): needs root")
+            pytest.skip(f"{problem}: needs root")
         yield None
         return
     try:

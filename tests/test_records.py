@@ -79,3 +79,18 @@ def test_a_run_this_node_cannot_hold_is_warned_of_before_it_starts(where, monkey
     assert estimate == cpu_estimate and "per process × 8 here" in warning and "out-of-memory killer" in warning, warning
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert this_machine.estimate_here(recipe, 1) == (estimate, None)
+
+
+def test_log_timestamps_open_every_line_with_the_utc_time(tmp_path, small_corpus):
+    """``--log-timestamps``: every line the run logs opens with its UTC time (each line of a message of
+    several too), a step's line with its record's time once; without it only the steps' lines do."""
+    flags = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+             "--log-interval", "1", "--eval-iters", "0", "--save", tmp_path / "run"]
+    _, text = train(tmp_path / "run.log", *flags, "--log-timestamps", corpus=small_corpus)
+    lines = [line for line in text.splitlines() if line.strip()]
+    stamp = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ")
+    assert len(lines) > 8 and all(stamp.match(line) for line in lines), text[-3000:]
+    steps = [line for line in lines if " step " in line and " | k " in line]
+    records = read_metrics(tmp_path / "run")
+    assert [line.split(" ", 1)[0] for line in steps] == [r["time_utc"] for r in records]
+    assert not any(stamp.match(line.split(" ", 1)[1]) for line in steps)  # the step's own time, not twice

@@ -1,7 +1,9 @@
 """One logger: each module logs to ``logging.getLogger(__name__)`` (all under ``fbt_megatron``), and
 each entry point's ``main`` calls ``setup_logging()`` once.
 
-A line is the message as it is (no time, level or logger name: the output reads as it always did),
+A line is the message as it is (no level or logger name: the output reads as it always did; a
+training step's line opens with its UTC time, and ``stamp_lines``, a run's ``--log-timestamps``,
+puts the time in front of every line),
 INFO on stdout, WARNING and above on stderr (and an INFO record marked ``STDERR``: the status lines
 that stand for a progress bar in a batch job's log), each written in one write and flushed at once
 (a log read while the process runs, by a person, a launcher or a test, has every line), to the
@@ -25,11 +27,13 @@ import contextvars
 import logging
 import os
 import sys
+import time
 from typing import Callable, Iterator, Tuple
 
 ROOT = "fbt_megatron"
 EVERY_RANK = {"every_rank": True}  # extra= of a record said by every rank that logs it
 STDERR = {"stderr": True}  # extra= of an INFO record for stderr
+STAMPED = {"stamped": True}  # extra= of a record whose message opens with its own UTC time (a step's line)
 _this_rank = contextvars.ContextVar("fbt_megatron_logs_this_rank", default=False)
 
 
@@ -86,6 +90,31 @@ class _Streams(logging.StreamHandler):
         super().emit(record)
 
 
+class _Lines(logging.Formatter):
+    """The message as it is; with ``stamped`` (``stamp_lines``) its UTC time in front, ISO 8601,
+    unless the record carries its own (``STAMPED``)."""
+
+    converter = time.gmtime
+
+    def __init__(self, stamped: bool = False):
+        super().__init__("%(message)s")
+        self.stamped = stamped
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        if not self.stamped or getattr(record, "stamped", False):
+            return line
+        when = self.formatTime(record, "%Y-%m-%dT%H:%M:%SZ")
+        return "\n".join(f"{when} {part}" for part in line.split("\n"))  # each line of a message of several
+
+
+def stamp_lines(on: bool = True) -> None:
+    """Every line of this process's logger opens with its UTC time (``--log-timestamps``)."""
+    for handler in logging.getLogger(ROOT).handlers:
+        if isinstance(handler, _Streams):
+            handler.setFormatter(_Lines(stamped=on))
+
+
 def setup_logging(level: int = logging.INFO) -> logging.Logger:
     """The ``fbt_megatron`` logger of this process: one handler (``_Streams``, the plain message,
     ``RankFilter``), ``level``, not passed on to the root logger (a library's configuration of
@@ -95,7 +124,7 @@ def setup_logging(level: int = logging.INFO) -> logging.Logger:
     handler = next((h for h in logger.handlers if isinstance(h, _Streams)), None)
     if handler is None:
         handler = _Streams()
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setFormatter(_Lines())
         handler.addFilter(RankFilter())
         logger.addHandler(handler)
     logger.setLevel(level)

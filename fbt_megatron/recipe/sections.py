@@ -322,8 +322,11 @@ class LoggingSection:
     time is its own part of each step since the last log; the names go to the log, metrics.jsonl,
     W&B and <save>/stragglers.jsonl."""
     heartbeat_interval: float = 30.0
-    """With --save, <save>/heartbeat.json (step, time, tokens, last checkpoint) is rewritten
-    atomically at most this often, in seconds (0: after every step), for cluster monitors."""
+    """Seconds between rewrites of <save>/heartbeat.json for cluster monitors (0: every step). (It holds
+    the step, time, tokens and last checkpoint, written atomically.)"""
+    log_timestamps: bool = False
+    """Every log line opens with its UTC time. (Off: only the steps' lines, ISO 8601; the other lines
+    read as they are, for tools that parse them. On: a whole log lines up with a cluster's events.)"""
 
     def validate(self) -> None:
         at_least_one("logging", self, "log_interval")

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+from fbt_megatron.common import logs
 from fbt_megatron.common.cli import plural
 from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import atomic_write
@@ -74,7 +75,7 @@ class MetricsLogger:
 
     def log(self, record: dict) -> None:
         if self.active:
-            log.info(format_record(record))
+            log.info(format_record(record), extra=logs.STAMPED)  # the line opens with the record's own time
             self.last = record
         if self.file:
             self.file.write(json.dumps(record) + "\n")
