@@ -3,9 +3,9 @@
 Runs alone (one process) or under ``torchrun``/``srun``. Overrides use Megatron-LM's argument
 names (``--train-iters 200 --micro-batch-size 4 --tensor-model-parallel-size 2 --save runs/x``).
 ``--dry-run`` prints the plan for this world (``fbt_megatron.launch.plan``) before any process
-group or data. Otherwise the recipe is checked, the planner's memory estimate is weighed against
-this node (``launch.plan.this_machine``: a warning before the start, the estimate beside the first
-step's peak: ``trainer.callbacks.planned_memory``), rank 0 prepares the data it names (the embedded
+group or data. Otherwise the recipe is checked, in a run of one process the planner's memory
+estimate is weighed against this node (``launch.plan.this_machine``: a warning before the start, the
+estimate beside the first step's peak: ``trainer.callbacks.planned_memory``), rank 0 prepares the data it names (the embedded
 corpus, a state-tracking task, the tiny SFT set: ``trainer.data.prepare_data``) and every rank
 runs the loop (``fbt_megatron.trainer.loop``) on prepared data.
 """
@@ -43,7 +43,10 @@ def main(argv=None) -> int:
         print_plan(recipe, world)
         return 0
     recipe.validate(world)  # bad input is one line before any work
-    planned, warning = estimate_here(recipe, world)  # the planner's memory per process; a warning if this node cannot hold it
+    # The planner's memory per process, and a warning if this node cannot hold it: in a run of one process. The
+    # planner builds its model under a private gloo group, whose sockets take ports of the moment: in a run of
+    # several, one of them took the rendezvous port rank 0 was about to bind (EADDRINUSE, seen in CI).
+    planned, warning = estimate_here(recipe, world) if world == 1 else (None, None)
     if warning:
         log.warning(warning)
     if int(os.environ.get("RANK", "0")) == 0:
