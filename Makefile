@@ -39,7 +39,8 @@ test-serve: serve-setup
 # stage). Its own venv: the registry's CUDA build of torch, about 5 GB, run on CPU; pip's cache
 # (~/.cache/pip, or PIP_CACHE_DIR) keeps the downloaded wheels for the next clean clone. The tests:
 # one of each kind the issue lists, chosen for what differs on 0.19 (compat.py, platform.py):
-# the megatron-core release layer and the CPU call sites; the model (one layer = megatron's GPTModel,
+# the megatron-core release layer and the CPU call sites; the command line's model fields (read from the
+# dataclass: recipe/model_fields.py is 0.16's); the model (one layer = megatron's GPTModel,
 # the reference architecture, k passes = the recurrence and its gradients); the training step with an
 # exact resume (tokenizer, datasets, checkpoint save/load, results queue); the entry point at PP 2 x
 # DP 2 (k passes as virtual pipeline chunks, overlapped gradient sync with the distributed optimizer)
@@ -49,6 +50,7 @@ test-serve: serve-setup
 PY312 ?= python3.12
 VENV312 := .venv-mcore-latest
 MCORE_LATEST_TESTS := tests/test_compat.py tests/test_wide_layouts.py::test_gradient_norm_is_the_float64_norm_at_full_size tests/test_platform.py::test_cuda_call_sites_run_on_cpu tests/test_tokenizer.py \
+	tests/test_model_table.py::test_another_megatron_core_reads_the_dataclass \
 	"tests/test_architecture.py::test_single_pass_matches_reference[paper]" tests/test_architecture.py::test_k1_equals_megatron_gptmodel \
 	"tests/test_multipass.py::test_parallel_passes_equal_sequential_recurrence[residual-1]" \
 	"tests/test_multipass.py::test_three_pass_gradients_match_reference_autograd[False]" \
@@ -58,7 +60,6 @@ MCORE_LATEST_TESTS := tests/test_compat.py tests/test_wide_layouts.py::test_grad
 	tests/test_convert.py::test_export_loads_offline_and_computes_megatrons_logits \
 	tests/test_convert.py::test_export_import_export_is_bit_exact \
 	tests/test_device_contracts.py::test_the_simulated_device_refuses_what_nccl_and_cuda_refuse \
-	"tests/test_device_contracts.py::test_entry_point_on_a_device_that_is_not_the_host[tp2_sp]" \
 	tests/test_device_contracts.py::test_the_te_double_follows_transformer_engines_per_call_rules \
 	"tests/test_device_contracts.py::test_k_passes_through_transformer_engine_train_as_one_cpu_process[tp2_sp]" \
 	"tests/test_device_contracts.py::test_k_passes_through_transformer_engine_train_as_one_cpu_process[pp2]" \

@@ -198,7 +198,7 @@ def _rank(module, script: bool, argv: List[str], rank: int, nproc: int, port: in
 def ranks(nproc: int, codes: str, target: List[str]) -> int:
     """Fork the ranks and wait for them; ``codes``: a file for every rank's exit code (then no rank is
     stopped when another fails), or ""."""
-    importlib.import_module("fbt_megatron.train")  # torch and megatron-core, once for every rank
+    importlib.import_module("fbt_megatron.commands.train")  # torch and megatron-core, once for every rank
     module, argv, script = _load(target)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

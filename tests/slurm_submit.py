@@ -5,4 +5,4 @@ in the parent process, so that each forked command line pays only for its own wo
 import fbt_megatron.launch.plan.planner  # noqa: F401
 import fbt_megatron.model.fbt_model  # noqa: F401
 from fbt_megatron.launch.slurm import preflight, submit  # noqa: F401
-from fbt_megatron.slurm import main  # noqa: F401
+from fbt_megatron.commands.slurm import main  # noqa: F401

@@ -3,8 +3,9 @@ registered after the recipe's in two real one-process runs (tests/distributed/ca
 sees every hook, in the protocol's order, and after the recipe's callbacks: at ``on_step_end`` the
 log has written the step's record (``metrics.jsonl``), at ``on_save`` the heartbeat names the step
 and the checkpoint just written, at ``on_stop`` / ``on_failure`` the heartbeat has its last beat.
-Between ``on_step_start`` and ``on_step_end``, ``pre_optim_step`` with the step's losses and
-``vetoes_update`` with its finite gradient norm (none for a NaN step). A run that fails (too many NaN
+Between ``on_step_start`` and ``on_step_end``, ``pre_optim_step`` with the step's losses,
+``vetoes_update`` with its finite gradient norm (none for a NaN step) and ``post_step``, whose fields
+reach a logged step's record beside the memory the recipe's callbacks add. A run that fails (too many NaN
 steps) reaches ``on_failure``, then ``close``, then raises. A callback's state is saved in every
 checkpoint under its name and given back to it before ``on_start`` of the resumed run."""
 
@@ -58,8 +59,8 @@ def test_a_run_calls_every_hook_in_order(tmp_path, small_corpus):
         out = []
         for step in range(first, last + 1):
             logged = step if step % 2 == 0 else None  # --log-interval 2: the record, already in metrics.jsonl
-            out += [["step_start", step - 1], ["pre_optim", step - 1, report], ["veto?", step - 1],
-                    ["step_end", step, logged, logged or (step - 1 if step > 1 else None)],
+            out += [["step_start", step - 1], ["pre_optim", step - 1, report], ["veto?", step - 1], ["post", step, bool(logged)],
+                    ["step_end", step, logged and [logged, logged, True], logged or (step - 1 if step > 1 else None)],
                     ["save", step, checkpoint[step], [step, checkpoint[step]]]]
         return out
 
@@ -71,10 +72,12 @@ def test_a_run_calls_every_hook_in_order(tmp_path, small_corpus):
     assert read_train_state(tmp_path / "finished", 6)["callbacks"]["recorder"] == {"ends": 6}
     # --inject-nan grad@2-3 --max-bad-steps 1: steps 2 and 3 bad (NaN norms: no callback is asked to veto), the save
     # point of step 3 raises
-    failed = [["start", 0], ["step_start", 0], ["pre_optim", 0, report], ["veto?", 0], ["step_end", 1, None, None],
-              ["save", 1, None, [1, None]],
-              ["step_start", 1], ["pre_optim", 1, report], ["step_end", 2, 2, 2], ["save", 2, None, [2, None]],
-              ["step_start", 2], ["pre_optim", 2, report], ["step_end", 3, None, 2], ["failure", 3, "BadStepsError", [3, None]],
+    failed = [["start", 0], ["step_start", 0], ["pre_optim", 0, report], ["veto?", 0], ["post", 1, False],
+              ["step_end", 1, None, None], ["save", 1, None, [1, None]],
+              ["step_start", 1], ["pre_optim", 1, report], ["post", 2, True], ["step_end", 2, [2, 2, True], 2],
+              ["save", 2, None, [2, None]],
+              ["step_start", 2], ["pre_optim", 2, report], ["post", 3, False], ["step_end", 3, None, 2],
+              ["failure", 3, "BadStepsError", [3, None]],
               ["close"], ["raised", "BadStepsError"]]
     assert json.loads((tmp_path / "failed.json").read_text()) == failed
 

@@ -411,7 +411,7 @@ def cli(*args):
 
 
 def test_bad_inputs_are_one_error_line(trained, tmp_path):
-    from fbt_megatron.convert import main
+    from fbt_megatron.commands.convert import main
 
     (tmp_path / "empty_run").mkdir()
     damaged = tmp_path / "damaged"

@@ -416,7 +416,7 @@ def test_slurm_prepare_renders_a_shard_array_and_a_merge_after_it(formats, token
     import re
     import subprocess
 
-    from fbt_megatron import slurm
+    from fbt_megatron.commands import slurm
 
     inputs = str(formats["jsonl"] / "part-*.jsonl")
     common = ["prepare", "--input", inputs, "--tokenizer", tokenizer.path, "--time", "01:00:00", "--partition", "cpu",

@@ -75,7 +75,7 @@ def test_the_task_baseline_is_the_study_s_runs_trained_as_long(tmp_path, monkeyp
     at the FBT setting's data and length from their shipped records (runs without a record left out)."""
     from types import SimpleNamespace
 
-    from fbt_megatron.evaluation.studies.grid import load_study
+    from fbt_megatron.experiments.grid import load_study
 
     study = load_study(demo.STUDIES / "state_tracking.yaml")
     monkeypatch.setattr(demo, "EVIDENCE", tmp_path)

@@ -2,17 +2,19 @@
 
 The rest of the suite computes on the host and runs every collective on gloo, which takes any
 tensor: a host tensor sent to a tensor-parallel all-gather passes there and crashes on NCCL. Under
-``FBT_SIMULATED_DEVICE=1`` (``fbt_megatron.common.simulated_device``) the compute device is ``fakegpu``, a
+``FBT_SIMULATED_DEVICE=1`` (``fbt_megatron.testing.simulated_device``) the compute device is ``fakegpu``, a
 device that is not the host, and every group made from the default backend (TP, CP, PP, DP, the
 distributed optimizer's, NorMuon's owner gather) takes its tensors only, failing in torch's own
 device check with NCCL's error otherwise; gloo groups keep host tensors.
 
 * The stand-in itself: it refuses a host tensor on a device group, a device tensor on a gloo group
   and a kernel mixing the two, and computes what gloo computes.
-* The training entry point at TP 2 + SP, PP 2, DP 2 (distributed optimizer, overlapped gradient
-  reduction) and TP 2 + SP with NorMuon, on the simulated device, logs the losses of one CPU process
-  from the same seed checkpoint, saving checkpoints on the way. (Under today's ``sequence.py`` the
-  first microbatch at TP 2 + SP gathered a host tensor on the TP group: it fails here.)
+* The training entry point on the simulated device logs the losses of one CPU process from the
+  same seed checkpoint, saving checkpoints on the way: with the local spec at DP 2 (distributed
+  optimizer, overlapped gradient reduction) and TP 2 + SP with NorMuon; with the TE spec (below) at
+  TP 2 + SP and PP 2 — each layout once, on the device, the spec GPU runs use where it matters.
+  (Under today's ``sequence.py`` the first microbatch at TP 2 + SP gathered a host tensor on the TP
+  group: it fails here, in either spec.)
 * Context parallelism (its entry point needs Transformer Engine's attention, GPU only): the sequence
   layout's shift and the loss shares that CP sends over its group, on the device
   (``tests/test_parallel.py``'s shift test runs under the simulated device).
@@ -37,11 +39,13 @@ from fbt_megatron.trainer.metrics import read_metrics
 DISTRIBUTED = Path(__file__).parent / "distributed"
 DOUBLES = Path(__file__).parent / "doubles"  # import transformer_engine (and Apex's wgrad kernel): the CPU double
 SIMULATED = "FBT_SIMULATED_DEVICE"
-LAYOUTS = {  # name: (processes, flags, the one-process reference)
-    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "true"], "adam"),
-    "pp2": (2, ["--pipeline-model-parallel-size", "2"], "adam"),
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "true"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+LAYOUTS = {  # the local spec: name: (processes, flags, the one-process reference); TP 2 + SP with Adam
+    # and PP 2 run through the TE spec below, on the same device: the sequence layout, the pipeline
+    # and the collectives are the same code in both specs (a local-spec run of each cost 140 s of CI)
     "dp2_distopt_overlap": (2, ["--use-distributed-optimizer", "true", "--overlap-grad-reduce", "true"], "adam"),
-    "tp2_sp_normuon": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "true", "--optimizer", "normuon"], "normuon"),
+    "tp2_sp_normuon": (2, [*TP2_SP, "--optimizer", "normuon"], "normuon"),
 }
 OPTIMIZERS = {"adam": [], "normuon": ["--optimizer", "normuon"]}
 TOLERANCE = 1e-5
@@ -103,7 +107,7 @@ def test_the_te_double_follows_transformer_engines_per_call_rules(tmp_path, monk
     assert all(line.endswith(": ok") for line in verdicts), "\n".join(verdicts)
 
 
-TE_LAYOUTS = {"one": (1, []), "tp2_sp": (2, LAYOUTS["tp2_sp"][1]), "pp2": (2, LAYOUTS["pp2"][1])}
+TE_LAYOUTS = {"one": (1, []), "tp2_sp": (2, TP2_SP), "pp2": (2, PP2)}
 
 
 @pytest.mark.slow

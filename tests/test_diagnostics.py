@@ -62,7 +62,7 @@ def test_prefill_reproduces_the_logged_validation_losses(lm_run, st_run, lm, st)
 
 
 def test_fixed_point_agrees_with_plain_passes_and_with_prefill(lm_run, lm, tmp_path):
-    from fbt_megatron.diagnostics import main
+    from fbt_megatron.commands.diagnostics import main
     from fbt_megatron.model.fbt import Feedback, fuse_mask, run_pass
 
     assert main(["fixed-point", "--load", str(lm_run), "--output", str(tmp_path), "--max-passes", "5"]) == 0
@@ -160,7 +160,7 @@ def test_bad_input_is_one_error_line(lm_run, lm, st, tmp_path):
     code, err = cli("probes", "--load", lm_run, "--output", tmp_path / "out")
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and "needs a state-tracking run" in err[0]
 
-    from fbt_megatron.diagnostics import main
+    from fbt_megatron.commands.diagnostics import main
 
     with pytest.raises(ValueError, match="--max-passes must be >= 1, got 0"):
         main(["fixed-point", "--load", str(lm_run), "--output", str(tmp_path / "out"), "--max-passes", "0"])

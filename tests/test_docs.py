@@ -108,9 +108,11 @@ class Command:
 
 
 def console_scripts() -> dict:
-    """``fbt-train`` → ``fbt_megatron.train`` (pyproject's [project.scripts])."""
+    """``fbt-train`` → ``fbt_megatron.train`` (pyproject's [project.scripts]; a command of
+    ``fbt_megatron.commands`` by the name ``python -m`` runs it under)."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    return {name: spec.split(":")[0].removesuffix(".__main__") for name, spec in scripts.items()}
+    return {name: spec.split(":")[0].removesuffix(".__main__").replace("fbt_megatron.commands.", "fbt_megatron.", 1)
+            for name, spec in scripts.items()}
 
 
 def classify(where: str, line: str) -> Optional[Command]:
@@ -210,7 +212,7 @@ def run_until_parsed(run: Callable[[], object], prog: str, args: List[str], patc
 def check_recipe(args: List[str], world: int):
     """The training command line: the recipe with every flag applied, valid for ``world`` processes
     (checked as the planner checks a layout for other machines)."""
-    from fbt_megatron.train import parse_args
+    from fbt_megatron.commands.train import parse_args
 
     recipe = parse_args(args)
     recipe.validate(world, this_machine=False)
@@ -222,21 +224,21 @@ def check_train(command: Command, patch) -> None:
 
 
 def check_plan(command: Command, patch) -> None:
-    from fbt_megatron.plan import parse
+    from fbt_megatron.commands.plan import parse
 
     options, recipe = parse(command.args)
     recipe.validate(options.nodes * options.gpus_per_node, this_machine=False)
 
 
 def check_generate(command: Command, patch) -> None:
-    from fbt_megatron.generate import parse
+    from fbt_megatron.commands.generate import parse
 
     parse(command.args)
 
 
 def check_slurm(command: Command, patch) -> None:
     """``submit`` with its own flags before ``--`` and training flags after it, for every stage."""
-    from fbt_megatron.slurm import parser
+    from fbt_megatron.commands.slurm import parser
 
     args = command.args
     ours, training = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
@@ -295,6 +297,14 @@ def stops_at_parse_args(source: Path, name: str) -> None:
         f"tests/test_docs.py (MODULES)")
 
 
+def command_source(target: str, spec) -> Path:
+    """The file that holds an entry point's code: a shim at the package top (``python -m
+    fbt_megatron.studies``) hands over to its command (``fbt_megatron.commands.studies``)."""
+    package, _, name = target.rpartition(".")
+    code = importlib.util.find_spec(f"fbt_megatron.commands.{name}") if package == "fbt_megatron" else None
+    return Path((code or spec).origin)
+
+
 def check_module(command: Command, patch) -> None:
     """Any other entry point: run as ``python -m`` until its parser has parsed."""
     spec = importlib.util.find_spec(command.target)
@@ -302,7 +312,7 @@ def check_module(command: Command, patch) -> None:
     if spec.submodule_search_locations:  # a package: its __main__
         spec = importlib.util.find_spec(command.target + ".__main__")
         assert spec is not None, f"{command.target} is a package without __main__"
-    stops_at_parse_args(Path(spec.origin), command.target)
+    stops_at_parse_args(command_source(command.target, spec), command.target)
     run_until_parsed(lambda: runpy.run_module(command.target, run_name="__main__"),
                      f"python -m {command.target}", command.args, patch)
 
@@ -441,7 +451,7 @@ def expand(path: str) -> List[str]:
 
 
 def test_every_quoted_path_exists():
-    """A file or folder of the repository quoted in the prose (`fbt_megatron/model/losses.py`, `tools/eval.py`,
+    """A file or folder of the repository quoted in the prose (`fbt_megatron/model/losses.py`, `tools/demo.py`,
     `recipes/sft.yaml`, `tests/test_stages.py`, `requirements-gpu.txt`) exists."""
     missing = []
     for page in PAGES:

@@ -1,4 +1,4 @@
-"""lm-eval on the Hugging Face export (``fbt_megatron.evaluation``, ``tools/eval.py``): the local tasks,
+"""lm-eval on the Hugging Face export (``fbt_megatron.evaluation``, its ``table`` command): the local tasks,
 the ``fbt`` lm-eval model's decode modes against independent computations, plain ``lm-eval --model
 hf`` offline, the evaluation table, and one ``error:`` line for bad input."""
 
@@ -206,24 +206,24 @@ def test_lm_eval_cli_with_the_fbt_model(exported, tmp_path, monkeypatch):
     assert result["config"]["model_args"]["decode_mode"] == "fused" and result["config"]["model_args"]["fused_prefill_passes"] == 1
 
 
-# ---------------------------------------------------------------- tools/eval.py
-def eval_tool(capsys, *args):
-    """tools/eval.py's exit code and stderr for ``args`` (in this process)."""
-    import eval as tool  # tools/ is on the test path
+# ---------------------------------------------------------------- python -m fbt_megatron.evaluation table
+def eval_table(capsys, *args):
+    """``python -m fbt_megatron.evaluation table``'s exit code and stderr for ``args`` (in this process)."""
+    from fbt_megatron.evaluation.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
-        run_cli(lambda: tool.main(list(map(str, args))))
+        run_cli(lambda: main(["table", *map(str, args)]))
     return exit_.value.code, capsys.readouterr().err
 
 
-def test_eval_tool_writes_the_table(exported, tmp_path, capsys):
+def test_eval_table_writes_the_table(exported, tmp_path, capsys):
     run, export, tasks = exported
     baseline = tmp_path / "baseline-export"  # the export as a model without latent feedback
     shutil.copytree(export, baseline)
     config = json.loads((baseline / "config.json").read_text())
     (baseline / "config.json").write_text(json.dumps({**config, "latent_feedback": False, "decode_mode": "standard"}))
     out = tmp_path / "results" / "table.md"
-    code, err = eval_tool(capsys, run, baseline, "--output", out, "--modes", "standard", "soft", "fused(2)",
+    code, err = eval_table(capsys, run, baseline, "--output", out, "--modes", "standard", "soft", "fused(2)",
                           "--limit", 2, "--tasks-dir", tasks.folder, "--documents", 6, "--questions", 12)
     assert code == 0, err[-3000:]
     lines = out.read_text().splitlines()
@@ -246,7 +246,7 @@ def test_eval_tool_writes_the_table(exported, tmp_path, capsys):
     assert data["details"][0]["iteration"] == 4 and data["details"][0]["export"].endswith(f"{name}-iter4")
 
 
-def test_eval_tool_bad_input_is_one_error_line(exported, tmp_path, capsys):
+def test_eval_table_bad_input_is_one_error_line(exported, tmp_path, capsys):
     _, export, _ = exported
     for args, message in (([export, "--modes", "greedy"], "unknown decode mode 'greedy'"),
                           ([export, "--modes", "soft(2)"], "only fused takes a number of passes"),
@@ -255,7 +255,7 @@ def test_eval_tool_bad_input_is_one_error_line(exported, tmp_path, capsys):
                           *([([export, "--backend", "vllm"], "--backend vllm needs vLLM, which this environment lacks: "
                                                              "pip install -r requirements-serve.txt")]
                             if importlib.util.find_spec("vllm") is None else [])):
-        code, err = eval_tool(capsys, *args, "--output", tmp_path / "t.md")
+        code, err = eval_table(capsys, *args, "--output", tmp_path / "t.md")
         assert code == 2 and err.startswith("error: ") and message in err, err
         assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "t.md").exists()

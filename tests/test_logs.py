@@ -15,19 +15,21 @@ PACKAGE = Path(__file__).parent.parent / "fbt_megatron"
 # module → the functions whose ``print`` is what the command is for: tables, generated text, plans,
 # reports, a command's result lines (and a process's last line where the package's logging is not set up)
 PRODUCT = {
-    "diagnostics.py": {"main"},  # the summary, the files written
+    "commands/diagnostics.py": {"main"},  # the summary, the files written
+    "commands/generate.py": {"main"},  # the generated text
+    "commands/plan.py": {"main"},  # the plan
+    "commands/slurm.py": {"run_goodput"},  # the goodput table
+    "commands/studies.py": {"main"},  # the plan, the report's table
     "evaluation/__main__.py": {"main"},  # the task folder built
+    "evaluation/table.py": {"write_table"},  # the model × mode table, and where it went
     "evaluation/tasks/evaluate.py": {"main"},  # the accuracy table
-    "generate.py": {"main"},  # the generated text
     "inference/serving/engine.py": {"hook"},  # a refusal's error line in a vLLM process (sys.excepthook)
     "launch/plan/planner.py": {"print_plan"},  # train --dry-run's plan
     "launch/rehearsal/hf_check.py": {"main"},  # the JSON result its parent reads
     "launch/rehearsal/report.py": {"finish"},  # the rehearsal's table
     "launch/rehearsal/vllm_check.py": {"main"},  # the JSON result its parent reads
     "launch/slurm/submit.py": {"submit_jobs"},  # the job scripts (--dry-run), the jobs submitted
-    "plan.py": {"main"},  # the plan
-    "slurm.py": {"run_goodput"},  # the goodput table
-    "studies.py": {"main"},  # the plan, the report's table
+    "recipe/model_table.py": {"<module>"},  # the file the generator wrote
 }
 # run by path under the host's python3, without the package: their lines are the job log's
 SCRIPTS = {"launch/attempts.py", "launch/slurm/image_check.py"}

@@ -14,7 +14,8 @@ stop early, steps that go bad, processes that die.
   resumes exactly.
 * The launcher's wait (``stopping.torchrun``, a Slurm job's torchrun; one bash worker): a stop
   longer than torchrun's own kill timeout completes, one that never ends is killed after the
-  launcher's timeout, and a torchrun without ``--signals-to-handle`` keeps its own handling.
+  launcher's timeout, a torchrun without ``--signals-to-handle`` keeps its own handling, and a SIGTERM
+  that finds the worker killed (SIGKILL) ends the launcher at once with the worker's exit code, 137.
 """
 
 import json
@@ -28,7 +29,7 @@ import pytest
 import torch
 from forked import Signal, descendants, run_commands, survivors
 
-from fbt_megatron import train
+from fbt_megatron.commands import train
 from fbt_megatron.trainer import build, checkpointing, saver
 from fbt_megatron.trainer.bad_steps import optimizer_step
 from fbt_megatron.trainer.metrics import read_metrics
@@ -439,12 +440,14 @@ def test_under_torchrun_a_double_ctrl_c_and_kill_9_leave_nothing_and_resume_exac
 
 
 # ---------------------------------------------------------------- the launcher's wait (one bash worker)
-def _launch(tmp: Path, name: str, worker: str, stop_timeout=None, older: bool = False, hold: float = 0.0, **env) -> dict:
+def _launch(tmp: Path, name: str, worker: str, stop_timeout=None, older: bool = False, hold: float = 0.0,
+            killed: bool = False, **env) -> dict:
     """``stopping.torchrun`` (tests/launch_torchrun.py) with one worker, ``bash -c WORKER`` (torchrun
     ``--no-python``), in the folder ``tmp/name``: SIGTERM to the launcher alone (as Slurm's cgroup
-    tracking delivers it) once the worker has written its pid to ``ready``; ``hold`` seconds later
-    whether the worker is alive, then the file ``go`` (the worker may finish its stop). Returns the
-    exit code, the output and that answer."""
+    tracking delivers it) once the worker has written its pid to ``ready`` (with ``killed``: once
+    the worker, killed with SIGKILL then, is dead and not reaped, a zombie: torchrun polls its workers
+    every hour here, ``--monitor-interval``); ``hold`` seconds later whether the worker is alive, then
+    the file ``go`` (the worker may finish its stop). Returns the exit code, the output and that answer."""
     import os
     import subprocess
     import sys
@@ -455,7 +458,8 @@ def _launch(tmp: Path, name: str, worker: str, stop_timeout=None, older: bool = 
     folder = tmp / name
     folder.mkdir()
     command = [sys.executable, str(ROOT / "tests" / "launch_torchrun.py"), "none" if stop_timeout is None else str(stop_timeout),
-               "older" if older else "current", "--standalone", "--nproc-per-node=1", "--no-python", "bash", "-c", worker]
+               "older" if older else "current", "--standalone", "--nproc-per-node=1",
+               *(["--monitor-interval=3600"] if killed else []), "--no-python", "bash", "-c", worker]
     environment = outside_group()
     with open(folder / "out", "w") as out:
         launcher = subprocess.Popen(command, cwd=folder, env={**environment, **env}, stdout=out, stderr=subprocess.STDOUT)
@@ -465,6 +469,11 @@ def _launch(tmp: Path, name: str, worker: str, stop_timeout=None, older: bool = 
                 assert launcher.poll() is None and time.monotonic() < deadline, (folder / "out").read_text()
                 time.sleep(0.05)
             worker_process = psutil.Process(int((folder / "ready").read_text()))
+            if killed:
+                worker_process.kill()
+                while worker_process.status() != psutil.STATUS_ZOMBIE:
+                    assert time.monotonic() < deadline, (folder / "out").read_text()
+                    time.sleep(0.05)
             launcher.send_signal(signal.SIGTERM)
             time.sleep(hold)
             try:
@@ -532,6 +541,37 @@ def test_the_launcher_waits_for_the_workers_stop_as_long_as_it_is_told(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_launcher_whose_worker_a_signal_killed_ends_with_that_signal_when_slurm_terminates_it(tmp_path):
+    """A Slurm step's launcher (``stopping.torchrun``) whose worker was killed (SIGKILL) and that gets
+    SIGTERM before torchrun has looked at the worker (srun ending the step because another node's rank
+    exited 1 first) ends at once with the worker's line and exit code, 128 + 9: once srun has ended the
+    step it prints no line for a task a signal ended, and the attempt's record would name the node of the
+    survivor's exit 1. The worker is a zombie when the signal comes and torchrun would not look for an hour."""
+    killed = _launch(tmp_path, "killed", f"{READY}; {RUN}", stop_timeout=60, killed=True)
+    assert killed["code"] == 128 + signal.SIGKILL and not killed["alive"], killed["log"][-3000:]
+    assert killed["log"].strip().splitlines()[-1] == "torchrun: rank 0 ended with signal SIGKILL; torchrun stopped the other workers"
+
+
+def test_the_rank_that_failed_first_is_the_one_a_signal_killed_of_those_torchrun_saw_together():
+    """``stopping.first_failure``: torchrun's times are whole seconds, so a rank killed (SIGKILL) and the
+    ranks that exited or stopped because it died are often seen together: the killed rank failed first;
+    an earlier failure stays first, whatever ended it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from fbt_megatron.trainer.stopping import first_failure
+
+    def failure(exitcode: int, timestamp: int) -> ProcessFailure:
+        made = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file="/nonexistent")
+        made.timestamp = timestamp
+        return made
+
+    together = {0: failure(1, 100), 1: failure(-signal.SIGTERM, 100), 2: failure(-signal.SIGKILL, 100), 3: failure(1, 100)}
+    assert first_failure(together)[0] == 2
+    assert first_failure({**together, 4: failure(1, 99)})[0] == 4
+    assert first_failure({0: failure(1, 100), 1: failure(-signal.SIGTERM, 100)})[0] == 0
+
+
+@pytest.mark.slow
 def test_bad_operation_flags_are_one_line(runs):
     results, tmp = runs
     expected = {"bad_spec": "error: training.inject_nan: 'loss3' is not WHAT@STEP[-LAST][:nan|inf] (WHAT: loss or grad)",
@@ -572,3 +612,18 @@ def test_save_into_another_run_without_load_is_one_line_and_leaves_it(tmp_path):
     check("--save", tmp_path / "stage", "--pretrained-checkpoint", folder)
     with pytest.raises(ValueError, match="holds another run"):
         check("--save", folder, "--load", tmp_path / "elsewhere")  # resuming another run into this one
+
+
+def test_a_rank_that_lost_another_says_so_in_one_line(tmp_path):
+    """A rank whose peer died (SIGKILL) finds it at the step boundary's stop check: one ``error:`` line
+    naming the stop check and the lost connection, exit code 1 (a crash, not bad input), and no
+    traceback (was: two chained gloo ``RuntimeError`` tracebacks, the second from the check's close)."""
+    from forked import run_ranks
+
+    codes, log = [], tmp_path / "ranks.log"
+    run_ranks([ROOT / "tests" / "distributed" / "peer_lost_worker.py"], 2, log, timeout=300, each=codes)
+    text = log.read_text()
+    assert codes == [1, -signal.SIGKILL] or codes == [1, 128 + signal.SIGKILL], (codes, text[-3000:])
+    [line] = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: rank 0: the ranks' stop check lost another rank (") and "rank's own line" in line, line
+    assert "Traceback" not in text, text[-3000:]

@@ -126,7 +126,7 @@ def test_parameter_split():
 @pytest.mark.parametrize("flag, value, change", [("--adam-lr", "0.001", "--adam-lr 0.0005 → 0.001"),
                                                 ("--weight-decay-schedule", "adamc", "--weight-decay-schedule")])
 def test_resuming_with_another_adam_lr_or_weight_decay_schedule_needs_a_choice(flag, value, change):
-    from fbt_megatron import train
+    from fbt_megatron.commands import train
     from fbt_megatron.optimizers import schedule
     from fbt_megatron.recipe import RecipeError
 

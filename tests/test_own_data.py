@@ -1,9 +1,10 @@
 """A user's own text, end to end, through the real entry points (issue 20, items 4 and 5):
 ``tools/prepare_corpus.py`` on a text file (split into documents at blank lines) and on a folder of
 two files (degenerate splits, one warning line each) → a few-step ``fbt_megatron.train`` run on the
-text file's corpus → ``tools/eval.py`` on the run's own held-out split besides the stdlib tasks;
-the generated task YAMLs load in lm-eval without a warning, and ``lm-eval --model hf`` through
-``python -m fbt_megatron.evaluation lm-eval`` says one line about contexts longer than the model.
+text file's corpus → ``python -m fbt_megatron.evaluation table`` on the run's own held-out split
+besides the stdlib tasks; the generated task YAMLs load in lm-eval without a warning, and
+``lm-eval --model hf`` through ``python -m fbt_megatron.evaluation lm-eval`` says one line about
+contexts longer than the model.
 The same run checks the stop summary (the step reached, not the last logged one), the removal of
 an aborted save's ``.tmp`` folder, the one-line refusal of a resume with another model, and a
 recipe's YAML syntax error with its line and column."""
@@ -60,8 +61,9 @@ def in_process(module, *args) -> tuple:
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
     """The corpora, the run and the refused commands, and the run's evaluation."""
-    import eval as eval_tool  # tools/ is on the test path
     import prepare_corpus
+
+    from fbt_megatron.evaluation import __main__ as evaluation
 
     tmp = tmp_path_factory.mktemp("own")
     text = paragraphs(160)
@@ -89,10 +91,10 @@ def own(tmp_path_factory):
     logs = {name: (tmp / f"{name}.log").read_text() for name in commands}
     assert codes[0] == 0, logs["train"][-3000:]
 
-    evaluated = in_process(eval_tool, run, "--output", tmp / "eval" / "table.md", "--modes", "standard", "--limit", 3,
+    evaluated = in_process(evaluation, "table", run, "--output", tmp / "eval" / "table.md", "--modes", "standard", "--limit", 3,
                            "--tasks-dir", tmp / "tasks", "--documents", 4, "--questions", 6)
     return {"tmp": tmp, "prepared": prepared, "codes": dict(zip(commands, codes)), "logs": logs, "run": run,
-            "eval": evaluated, "eval_tool": eval_tool}
+            "eval": evaluated}
 
 
 def test_a_text_file_is_split_into_documents_at_blank_lines(own):
@@ -169,9 +171,11 @@ def test_eval_measures_the_runs_own_held_out_split(own):
     assert pieces and {p["name"].split("#")[0] for p in pieces} <= held_out
     assert json.loads((folder / "tasks.json").read_text())["source"] == f"{corpus}/docs.valid.jsonl"
     # another corpus's held-out split: prepared with another tokenizer than the run's
-    tool = own["eval_tool"]
-    model = tool.Model("run", str(run), data["details"][0]["export"], 5)
-    chosen, warnings = tool.corpus_checks(model, own["tmp"] / "two-corpus", given=True)
+    from fbt_megatron.evaluation.models import Model
+    from fbt_megatron.evaluation.own_split import corpus_checks
+
+    model = Model("run", str(run), data["details"][0]["export"], 5)
+    chosen, warnings = corpus_checks(model, own["tmp"] / "two-corpus", given=True)
     assert chosen == own["tmp"] / "two-corpus" and warnings[-1] == (
         f"warning: --corpus {own['tmp'] / 'two-corpus'} was prepared with another tokenizer than run's: the model was not "
         f"trained on it (its 'own split' columns measure other text)")

@@ -1,7 +1,7 @@
 """Records a cluster can line up (issue 54): every logged step's record and log line carry its wall
 time (UTC, ISO 8601) and the memory of the largest rank (RSS on a CPU, the CUDA allocator's counters
 on a GPU, under Megatron-LM's tag names), the planner's estimate is put beside the first step's peak,
-and a run this node cannot hold is warned of before it starts."""
+and a run this node cannot hold is warned of before it starts, in runs of one process or several."""
 
 import json
 import re
@@ -31,7 +31,7 @@ def test_a_step_line_and_its_record_carry_the_utc_time_and_the_memory(tmp_path, 
         assert when == r["time_utc"] == utc(r["time"])  # the line's time is the record's, to the second
         assert 100 * 2**20 < r["rss_bytes"] <= r["max_rss_bytes"] < 8 * GiB  # torch alone is over 100 MiB resident
         assert (float(rss), float(peak)) == (round(r["rss_bytes"] / GiB, 2), round(r["max_rss_bytes"] / GiB, 2))
-    from fbt_megatron import train as entry
+    from fbt_megatron.commands import train as entry
 
     planned = make_plan(entry.parse_args(["--recipe", TINY, *map(str, flags)]), 1)
     planned = planned.memory[planned.chosen].total
@@ -58,7 +58,7 @@ def test_memory_is_the_largest_ranks(tmp_path):
 
 @pytest.mark.parametrize("where", ["cpu", "gpu"])
 def test_a_run_this_node_cannot_hold_is_warned_of_before_it_starts(where, monkeypatch):
-    from fbt_megatron import train as entry
+    from fbt_megatron.commands import train as entry
 
     recipe = entry.parse_args(["--recipe", TINY])
     plan = make_plan(recipe, 1)
@@ -94,3 +94,43 @@ def test_log_timestamps_open_every_line_with_the_utc_time(tmp_path, small_corpus
     records = read_metrics(tmp_path / "run")
     assert [line.split(" ", 1)[0] for line in steps] == [r["time_utc"] for r in records]
     assert not any(stamp.match(line.split(" ", 1)[1]) for line in steps)  # the step's own time, not twice
+
+
+def _sockets() -> set:
+    """This process's open sockets (their ``/proc/self/fd`` links)."""
+    links = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            links.add(str(fd.readlink()))
+        except OSError:  # (the listing's own descriptor, closed by now)
+            pass
+    return {link for link in links if link.startswith("socket:")}
+
+
+def test_the_planners_model_is_built_without_opening_a_socket():
+    """The planner's private group (its meta model needs megatron's parallel state) is torch's fake
+    backend: a gloo group's listening socket took a port of the moment, once the rendezvous port a
+    4-process run's rank 0 was about to bind (EADDRINUSE); so runs of one process only were weighed."""
+    from fbt_megatron.launch.plan import planner
+
+    before = _sockets()
+    with planner._single_process_group():
+        during = _sockets()
+    assert during == before, during - before
+
+
+def test_a_run_of_two_processes_puts_the_planners_estimate_beside_its_first_peak(tmp_path, small_corpus):
+    """DP 2: the 2-process plan's estimate (its busiest rank) beside the largest rank's peak, in one line."""
+    flags = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+             "--log-interval", "2", "--eval-iters", "0"]
+    data = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null"]
+    code, text = launch(tmp_path / "run.log", "-m", "fbt_megatron.train", "--recipe", TINY, "--threads", "1", *data, *flags,
+                        "--save", tmp_path / "run", nproc=2)
+    assert code == 0, text[-3000:]
+    from fbt_megatron.commands import train as entry
+
+    plan = make_plan(entry.parse_args(["--recipe", TINY, *flags]), 2)
+    [(peak, planned)] = re.findall(r"^memory at step 2: peak resident set (\S+) GiB on the largest rank; the planner "
+                                   r"estimated (\S+) GiB", text, re.M)
+    assert (peak, planned) == (f"{read_metrics(tmp_path / 'run')[0]['max_rss_bytes'] / GiB:.2f}",
+                               f"{plan.memory[plan.chosen].total / GiB:.2f}"), text[-3000:]

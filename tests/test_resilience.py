@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import pytest
 from forked import run_commands, run_ranks
 
-from fbt_megatron import train
+from fbt_megatron.commands import train
 from fbt_megatron.common import platform
 from fbt_megatron.common.errors import RecipeError
 from fbt_megatron.recipe.faults import Fault, parse_faults

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from forked import run_commands
 from slurm_cluster import SlurmCluster, missing_binaries
 from test_train import SMALL
@@ -296,7 +297,7 @@ def test_dry_run_renders_both_launch_modes_and_bad_input_is_one_line(dry_runs):
     assert "#SBATCH --ntasks-per-node=1" in torchrun and "LAUNCH=torchrun" in torchrun and "PROCS_PER_NODE=4" in torchrun
     assert "STOP_TIMEOUT=160" in torchrun and '-m fbt_megatron.slurm torchrun \\\n        --stop-timeout "$STOP_TIMEOUT" ' in torchrun
     assert "export CUDA_DEVICE_MAX_CONNECTIONS" not in torchrun + tasks  # TP 1, CP 1
-    assert f"TRAIN_ARGS=(--recipe {TINY} --train-iters 7 --micro-batch-size 2 --save {save} --load {save})" in torchrun
+    assert f"TRAIN_ARGS=(--recipe {TINY} --log-timestamps --train-iters 7 --micro-batch-size 2 --save {save} --load {save})" in torchrun
     assert "TRAIN_ITERS=7" in torchrun and "TRAIN_ITERS=800" in tasks  # the recipe's, or the flag's
     assert "#SBATCH --ntasks-per-node=4" in tasks and "LAUNCH=tasks" in tasks
     assert f"--exit-duration-in-mins 230 --save {save}" in tasks  # 4 h minus the 10-minute --exit-margin
@@ -389,7 +390,7 @@ def test_paper_chain_on_8x8_is_refused_with_the_planners_lines_and_plans_with_th
 
 
 def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
-    """``serve EXPORT``: ``vllm serve`` on one GPU with 8 CPUs; ``evaluate``: tools/eval.py with the
+    """``serve EXPORT``: ``vllm serve`` on one GPU with 8 CPUs; ``evaluate``: the evaluation table with the
     vLLM backend; a placeholder export and a GPU job on this CPU-only environment are refused."""
     cases, tmp, data, _ = dry_runs
     code, output = cases["serve"]
@@ -412,7 +413,7 @@ def test_serving_and_evaluating_an_export_on_a_gpu_node_with_vllm(dry_runs):
     code, output = cases["evaluate"]
     assert code == 0, output
     [evaluate] = scripts(output).values()
-    assert (f"tools/eval.py {data['export']} \\\n    --cache {tmp}/eval/exports --output {tmp}/eval/x.md --backend vllm "
+    assert (f"-m fbt_megatron.evaluation table {data['export']} \\\n    --cache {tmp}/eval/exports --output {tmp}/eval/x.md --backend vllm "
             "--modes standard") in evaluate and "#SBATCH --gpus-per-node=1" in evaluate
     assert "export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0}" in evaluate
     code, output = cases["serve placeholder"]
@@ -631,6 +632,24 @@ def test_the_failed_task_is_the_rank_a_signal_killed_whichever_line_srun_printed
     assert attempts.failed_task("no task failed") is None
 
 
+def test_a_jobs_training_logs_timestamps_unless_its_flags_or_recipe_say_otherwise(tmp_path):
+    """A job's log lines open with their UTC time (``--log-timestamps`` ahead of the flags), to be lined
+    up with the cluster's events; flags or a recipe that set it keep theirs."""
+    from fbt_megatron.launch.slurm import submit
+
+    def flags(recipe, *given):
+        return submit.stage(recipe, list(given), tmp_path / "runs").flags
+
+    assert flags("recipes/tiny_cpu.yaml", "--train-iters", "2") == ["--log-timestamps", "--train-iters", "2"]
+    assert flags("recipes/tiny_cpu.yaml", "--log-timestamps", "false") == ["--log-timestamps", "false"]
+    own = tmp_path / "own.yaml"
+    recipe = yaml.safe_load(Path("recipes/tiny_cpu.yaml").read_text())
+    own.write_text(yaml.safe_dump({**recipe, "logging": {**recipe["logging"], "log_timestamps": False}}))
+    stage = submit.stage(str(own), [], tmp_path / "runs")
+    assert stage.flags == [] and not stage.config.logging.log_timestamps
+    assert "--log-timestamps" in submit.stage("recipes/tiny_cpu.yaml", [], tmp_path / "runs").train_args()
+
+
 def test_the_retry_budget_counts_failures_and_stalled_stops_but_not_slurms_requeues(tmp_path, monkeypatch, capsys):
     """``launch/attempts.py`` on a run folder, outside Slurm (no scontrol is called on these
     paths; requeues and exclusions are drilled on the real Slurm below): an attempt that never ended
@@ -821,7 +840,7 @@ def test_requeued_and_signalled_job_resumes_and_logs_the_uninterrupted_losses(sl
     assert {(s["rank"], s["node"]) for s in records[1]["stragglers"]} == {(1, slow)}, records[1]
     assert records[1]["excluded"] == [slow] and slow not in records[2]["rank_nodes"], records
     assert f"requeueing job {job}, excluding node {slow} (a straggler) ===" in text, text[-3000:]
-    assert re.search(rf"^step \d+: straggler rank 1 on node {slow} \(", text, flags=re.M), text[-3000:]
+    assert re.search(rf"^\S+Z step \d+: straggler rank 1 on node {slow} \(", text, flags=re.M), text[-3000:]  # timestamped (a job)
     named = [r["step"] for r in read_metrics(run) if any(s["rank"] == 1 for s in r.get("stragglers", []))]
     assert named and set(named) <= set(range(1, 11)), named  # the slow steps, and no others
     assert "frame #" not in since_start(text, job, 2), text[-3000:]  # no C++ frames in a success
@@ -904,7 +923,7 @@ def test_a_crash_and_a_hang_restart_in_the_job_or_requeue_away_from_their_node_b
     assert (f"=== the training failed (exit code 124: a hang, stacks in {run}/hang) at step 4 of 16: requeueing job {job} "
             f"(restart 1 of --max-restarts 2 from this checkpoint); node {hung} (stuck) not excluded: the partition has no "
             "node to spare ===") in text, text[-3000:]
-    [hang_line] = [line for line in text.splitlines() if line.startswith("hang: ")]
+    [hang_line] = [line for line in text.splitlines() if re.match(r"\S+Z hang: ", line)]  # timestamped (a job)
     assert f"rank 1 on {hung} stuck outside a collective" in hang_line and "rank 0 on " in hang_line, hang_line
     stacks = {r: (run / "hang" / f"rank{r}.txt").read_text().splitlines()[0] for r in (0, 1)}
     assert [stacks[r].startswith(f"rank {r} (node {attempts[1]['rank_nodes'][r]}, pid ") for r in (0, 1)] == [True, True], stacks

@@ -150,7 +150,7 @@ def test_a_job_in_the_image_crashes_hangs_and_stops_at_its_time_limit_and_trains
     assert attempts[0]["excluded"] == [crashed] and all(crashed not in a["rank_nodes"] for a in attempts[1:]), attempts
     assert attempts[1]["stuck_nodes"] == [hung], attempts
     assert signalled_at <= attempts[3]["start_step"] == attempts[2]["end_step"] < DRILL_STEPS, (attempts, signalled_at)
-    [hang_line] = [line for line in text.splitlines() if line.startswith("hang: ")]
+    [hang_line] = [line for line in text.splitlines() if re.match(r"\S+Z hang: ", line)]  # timestamped (a job)
     assert f"rank 1 on {hung} stuck outside a collective" in hang_line, hang_line
     for line in [f"=== the training failed (exit code 137) at step 2 of 16: requeueing job {job}", "USR1: time limit in 180 s",
                  f"stopped at step {attempts[3]['start_step']} of 16: requeueing job {job}", "=== finished: step 16 of 16"]:

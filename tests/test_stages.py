@@ -206,7 +206,7 @@ def test_a_checkpoint_moves_between_a_cpu_and_a_gpu_with_the_rng_streams_that_ma
     were named with it (no ``rng_parts``: its vector's length is read from the metadata)."""
     import torch
 
-    from fbt_megatron import train
+    from fbt_megatron.commands import train
     from fbt_megatron.trainer import build
 
     recipe = train.parse_args(["--recipe", str(TINY), "--seq-length", "32", "--num-layers", "2"])

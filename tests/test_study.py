@@ -13,9 +13,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from fbt_megatron.data.corpus import load_corpus
 from fbt_megatron.data.tokenizer import load_tokenizer
-from fbt_megatron.evaluation.studies import study as studies
-from fbt_megatron.evaluation.studies.grid import load_study
-from fbt_megatron.evaluation.studies.subsets import choose_documents, prepare_subset
+from fbt_megatron.experiments import study as studies
+from fbt_megatron.experiments.grid import load_study
+from fbt_megatron.experiments.subsets import choose_documents, prepare_subset
 
 
 def docs(path):
@@ -141,7 +141,7 @@ def test_a_study_file_names_an_unknown_data_key(tmp_path):
 
 def test_an_unknown_grid_is_one_line_naming_the_grids(tmp_path, capsys):
     from fbt_megatron.common.cli import run_cli
-    from fbt_megatron.studies import main
+    from fbt_megatron.commands.studies import main
 
     with pytest.raises(SystemExit) as stop:
         run_cli(lambda: main(["plan", "recipes/studies/compute_for_data.yaml", "--grid", "nope", "--root", str(tmp_path)]))
@@ -322,7 +322,7 @@ def unmeasured(text: str, measured: list, allowed: set) -> list:
 
 
 def test_evidence_and_readme_quote_only_measured_numbers():
-    from fbt_megatron.evaluation.studies import compare, results
+    from fbt_megatron.experiments import compare, results
 
     measured = []
     for path in EVIDENCE.rglob("*.json"):
@@ -356,7 +356,7 @@ def fake_run(model, epochs, seed, valid, best=None, compute_of=None, k=1):
 
 
 def test_the_comparison_finds_the_baselines_frontier_per_seed():
-    from fbt_megatron.evaluation.studies import compare
+    from fbt_megatron.experiments import compare
 
     runs = []
     for seed, shift in ((1, 0.0), (2, 0.01)):
@@ -376,7 +376,7 @@ def test_the_comparison_finds_the_baselines_frontier_per_seed():
 
 
 def test_the_seed_table_shows_each_runs_lowest_bucket_and_whether_it_held():
-    from fbt_megatron.evaluation.studies.results import task_seed_table
+    from fbt_megatron.experiments.results import task_seed_table
 
     def row(model, seed, accuracy, threads=1):
         return {"data": "parity", "model": model, "length": "s1500", "seed": seed, "threads": threads,

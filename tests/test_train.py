@@ -169,7 +169,7 @@ def test_extending_a_run_says_which_learning_rate_curve_applies(tmp_path, small_
 
 
 def test_a_validation_split_smaller_than_the_validation_asks_for_is_a_warning(small_corpus):
-    from fbt_megatron import train as entry
+    from fbt_megatron.commands import train as entry
     from fbt_megatron.trainer.data import build_data
     from fbt_megatron.trainer.metrics import validation_note
 
@@ -196,7 +196,7 @@ def test_a_validation_split_smaller_than_the_validation_asks_for_is_a_warning(sm
     ],
 )
 def test_every_change_of_the_learning_rate_curve_on_resume_needs_a_choice(flag, value, change):
-    from fbt_megatron import train as entry
+    from fbt_megatron.commands import train as entry
     from fbt_megatron.optimizers import schedule
 
     base = ["--recipe", TINY, "--train-iters", "8", "--lr-warmup-iters", "2", "--load", "RUN"]
@@ -210,7 +210,7 @@ def test_every_change_of_the_learning_rate_curve_on_resume_needs_a_choice(flag, 
 
 
 def test_a_constant_learning_rate_extends_without_a_choice():
-    from fbt_megatron import train as entry
+    from fbt_megatron.commands import train as entry
     from fbt_megatron.optimizers import schedule
 
     base = ["--recipe", TINY, "--lr-decay-style", "constant", "--load", "RUN"]

@@ -66,7 +66,7 @@ def test_resumed_run_logs_z_loss_from_the_cooldown_and_the_pass_phases(tiny_run,
     """Steps 5–8 resumed from the shared tiny run (4 steps) into the cooldown (from
     ``optimizers.schedule.cooldown_start``) and into a second pass phase (k = 2, from step 7)."""
     from fbt_megatron.optimizers.schedule import cooldown_start, lr_schedule
-    from fbt_megatron.train import parse_args
+    from fbt_megatron.commands.train import parse_args
     from fbt_megatron.trainer.passes import pass_schedule
 
     flags = ["--recipe", "recipes/tiny_cpu.yaml", "--train-iters", 8, "--lr-wsd-decay-fraction", 0.5, "--z-loss-coeff", 1e-2,

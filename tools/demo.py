@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 
 from fbt_megatron.common.cli import plural, quiet_library_warnings, run_cli
 from fbt_megatron.common.logs import setup_logging
-from fbt_megatron.evaluation.studies.results import HELD
+from fbt_megatron.experiments.results import HELD
 from fbt_megatron.evaluation.tasks.evaluate import FULL, bucket_labels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -361,9 +361,9 @@ def plot(lm_rows: List[dict], frontier: Optional[float], tasks: Dict[str, Dict[s
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
     setup_logging()
-    from fbt_megatron.evaluation.studies import results as study_results
-    from fbt_megatron.evaluation.studies import study as studies
-    from fbt_megatron.evaluation.studies.grid import load_study
+    from fbt_megatron.experiments import results as study_results
+    from fbt_megatron.experiments import study as studies
+    from fbt_megatron.experiments.grid import load_study
 
     cores = os.cpu_count() or 1
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

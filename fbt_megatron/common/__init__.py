@@ -3,7 +3,7 @@
 errors, cli          the refusals (one line, exit 2) and how a command ends on them
 io, folders          files and folders written whole (fsync, rename), the run folders' checks
 platform             CPU (gloo) or GPU (NCCL), process groups, megatron-core's parallel state
-compat, megatron_fixes, simulated_device   megatron-core's versions, its fixes, the simulated GPU of the contract tests
+compat, megatron_fixes   megatron-core's versions, its fixes
 processes, seeds     child processes that end with their parent; the seeds of a run
 gpus                 the accelerators the planner and MFU know (memory, peak TFLOP/s)
 """

@@ -11,6 +11,7 @@ import warnings
 from typing import Callable, NoReturn
 
 from fbt_megatron.common import logs
+from fbt_megatron.common.errors import PeerLostError
 from fbt_megatron.common.folders import STORAGE_ERRNOS, unwritable
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,15 @@ def run_cli(main: Callable[[], int | None]) -> NoReturn:
     (bad input: a missing file, a malformed line, a bad flag value) becomes ``error: <message>`` on
     stderr and exit code 2, without a traceback; so does an OSError of the environment that no
     caller said better (``STORAGE_ERRNOS``: a full disk, a read-only file system). Under
-    torchrun/srun every rank finds the same bad input; only rank 0 says so. A process group that
-    was there before (a caller's) is left as it is."""
+    torchrun/srun every rank finds the same bad input; only rank 0 says so. A rank that lost
+    another (``PeerLostError``) says so in one line, exit code 1. A process group that was there
+    before (a caller's) is left as it is."""
     started_here = not _process_group()
     try:
         code = main()
+    except PeerLostError as e:  # another rank ended first: its line says why; this one's group is broken
+        log.error(f"error: {' '.join(str(e).split())}", extra=logs.EVERY_RANK)
+        sys.exit(1)
     except (ValueError, FileNotFoundError) as e:
         _bad_input(str(e))
     except OSError as e:

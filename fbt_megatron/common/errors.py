@@ -2,6 +2,7 @@
 
 Each is a ValueError, so a command-line tool ends on it with one ``error: <message>`` line and exit
 code 2, without a traceback (``cli.run_cli``). The message names the offending thing and the fix.
+``PeerLostError`` is the one that is not bad input: one line too, exit code 1.
 This module imports nothing: every layer may raise them.
 """
 
@@ -43,3 +44,9 @@ class ArgumentError(ValueError):
     def flags(self) -> str:
         """The message with every argument named as its flag (``max_new_tokens`` → ``--max-new-tokens``)."""
         return self.say(lambda name: "--" + name.replace("_", "-"))
+
+
+class PeerLostError(RuntimeError):
+    """Another rank of the run ended while this one waited for it (its connection closed): the cause
+    is that rank's, and its own line says what it was. This rank ends with one line, exit code 1 (a
+    crash: a job may retry it), not the library's traceback (``cli.run_cli``)."""

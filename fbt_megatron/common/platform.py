@@ -12,14 +12,16 @@ Without one: CPU + gloo, and `install()` makes megatron-core's CUDA-only call si
   * the model-parallel RNG tracker keeps CPU generator states (the device generator *is* the
     CPU generator here), so forked dropout and activation recompute replay the same numbers.
 With ``FBT_SIMULATED_DEVICE=1`` (tests): the same CPU set-up, but the compute device is
-``fakegpu:0`` and the default backend ``fakenccl`` (``simulated_device``): a device that is not the
-host, so that host tensors on device groups fail as on NCCL. CUDA call sites then go to that device.
+``fakegpu:0`` and the default backend ``fakenccl`` (``fbt_megatron.testing.simulated_device``, test
+infrastructure looked up by name only then): a device that is not the host, so that host tensors on
+device groups fail as on NCCL. CUDA call sites then go to that device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import io
 import os
 import socket
@@ -29,8 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from fbt_megatron.common import compat, megatron_fixes, processes, simulated_device
+from fbt_megatron.common import compat, megatron_fixes, processes
 
+SIMULATED_DEVICE = "FBT_SIMULATED_DEVICE"  # tests: compute on a GPU stand-in (``_simulation``)
+_SIMULATION = "fbt_megatron.testing.simulated_device"
 _installed = False
 _timeout = datetime.timedelta(minutes=10)  # the process groups' (init_distributed); torch's NCCL default until then
 
@@ -40,8 +44,14 @@ def on_gpu() -> bool:
 
 
 def simulated() -> bool:
-    """The compute device is a simulated one that is not the host (``simulated_device``)."""
-    return not on_gpu() and simulated_device.requested()
+    """The compute device is a simulated one that is not the host (``FBT_SIMULATED_DEVICE=1``, tests)."""
+    return not on_gpu() and os.environ.get(SIMULATED_DEVICE, "") not in ("", "0")
+
+
+def _simulation():
+    """The tests' simulated device (``fbt_megatron.testing.simulated_device``), loaded by name when
+    ``simulated()``: test infrastructure that the ground floor does not import."""
+    return importlib.import_module(_SIMULATION)
 
 
 def node_name() -> str:
@@ -52,19 +62,21 @@ def node_name() -> str:
 def device() -> torch.device:
     if on_gpu():
         return torch.device("cuda", torch.cuda.current_device())
-    return simulated_device.device() if simulated() else torch.device("cpu")
+    return _simulation().device() if simulated() else torch.device("cpu")
 
 
 def backend() -> str:
     if on_gpu():
         return "nccl"
-    return simulated_device.BACKEND if simulated() else "gloo"
+    return _simulation().BACKEND if simulated() else "gloo"
 
 
 def generator(device) -> torch.Generator:
     """A new generator for draws on ``device``; the simulated device draws from a host generator
-    (its tensors compute on the host), so its numbers are a CPU run's."""
-    simulated_type = torch.device(device).type == simulated_device.DEVICE_TYPE
+    (its tensors compute on the host), so its numbers are a CPU run's. (No device of its type exists
+    before its module is loaded.)"""
+    simulation = sys.modules.get(_SIMULATION)
+    simulated_type = simulation is not None and torch.device(device).type == simulation.DEVICE_TYPE
     return torch.Generator(device="cpu" if simulated_type else device)
 
 
@@ -203,7 +215,7 @@ def install() -> None:
     from megatron.core.tensor_parallel import random as mp_random
 
     if simulated():
-        simulated_device.install()
+        _simulation().install()
     torch.cuda.current_device = device
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _CpuStream()

@@ -18,7 +18,7 @@ Two tasks, written with their data to one folder that lm-eval reads with ``--inc
 
 A third task, ``fbt_split_perplexity``, is the same perplexity over the held-out split of any
 prepared corpus (``ensure_split_task``: the split of the corpus a run was trained on, for
-``tools/eval.py``), in a folder of its own.
+the ``table`` command), in a folder of its own.
 
 The files: ``perplexity.jsonl``, ``next_line.jsonl``, one YAML per task (``dataset_path: json``
 with the absolute path of its data file; every metric with its aggregation and direction, so

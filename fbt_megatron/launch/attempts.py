@@ -222,7 +222,10 @@ def observed(save: Path, this: dict, log: Path) -> dict:
 
 # srun's line for a task that failed. When one rank dies the others follow (a connection closed: exit 1; stopped:
 # SIGTERM, SIGINT), and srun prints their lines in the order it hears of them: a task killed by another signal
-# (SIGKILL from kill -9 or the OOM killer, SIGSEGV, SIGABRT, SIGBUS) is the cause whichever line came first.
+# (SIGKILL from kill -9 or the OOM killer, SIGSEGV, SIGABRT, SIGBUS) is the cause whichever line came first. Once srun
+# has ended the step for a bad exit (--kill-on-bad-exit) it prints no line for a task a signal ended, only for one
+# that exited: a torchrun launcher reports its worker's signal as its exit code (137), also on srun's SIGTERM
+# (trainer/stopping.py, failed_so_far).
 FAILED_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (Exited with exit code (\d+)|Killed|Terminated)", re.M)
 FOLLOWED = {128 + 15, 128 + 2}  # SIGTERM, SIGINT: how a stopped rank ends
 

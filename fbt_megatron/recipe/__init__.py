@@ -7,7 +7,8 @@ Anything wrong (an unknown key, a wrong type, a value out of range, parallel siz
 the world) raises ``RecipeError`` with one line naming the key, before any work is done. The
 sections are ``sections``, the whole recipe ``recipe``, reading one ``loading`` (typed values:
 ``values``); the command line (grouped ``--help``, parsing, errors) is ``flags``, whose
-descriptions are the sections' field docstrings.
+descriptions are the sections' field docstrings and, for the model, ``model_fields``: FBTConfig's
+fields as a table that ``model_table`` generates, read without torch.
 """
 
 from fbt_megatron.common.errors import RecipeError

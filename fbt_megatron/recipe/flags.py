@@ -2,11 +2,14 @@
 ``--train-iters``), grouped, described, typed, with the recipe's value as its default.
 
 Descriptions are the field docstrings of the recipe sections (``fbt_megatron.recipe``) and of
-``FBTConfig`` / megatron-core's ``TransformerConfig``: one source of truth. ``--help`` shows the
-groups a run is made of; megatron-core's other ``TransformerConfig`` fields are accepted as flags
-too and listed by ``--help-all``. Mistakes are one line: an unknown flag names the closest valid
-one, abbreviations are refused, and a value may be a negative number (``--lr -1e-3`` reaches the
-recipe's own check).
+``FBTConfig`` / megatron-core's ``TransformerConfig``: one source of truth (the model's read from
+``model_fields``, a table generated from them and checked against them, for the megatron-core it
+was written from; another release's fields are read from the dataclass, torch loading). Parsing
+then imports neither torch nor megatron-core; ``--help`` shows the model's defaults from that table
+for a recipe that names only a preset, from the model's config otherwise. ``--help`` shows the groups a run is made
+of; megatron-core's other ``TransformerConfig`` fields are accepted as flags too and listed by
+``--help-all``. Mistakes are one line: an unknown flag names the closest valid one, abbreviations
+are refused, and a value may be a negative number (``--lr -1e-3`` reaches the recipe's own check).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import yaml
 
 from fbt_megatron.common.errors import RecipeError
 from fbt_megatron.recipe import SECTIONS, ModelSection, Recipe, check, hints, load_recipe, model_hints
+from fbt_megatron.recipe.model_fields import FIELDS, PRESET_VALUES
+from fbt_megatron.recipe.values import table_is_current
 
 # Model fields (FBTConfig / TransformerConfig) shown in --help, by group; every other settable
 # field is a pass-through flag listed by --help-all.
@@ -43,6 +48,7 @@ MEMORY = (
     "recompute_passes", "offload_recompute_inputs", "min_offloaded_tensor_size", "recompute_granularity",
     "recompute_method", "recompute_num_layers",
 )
+MODEL_SHOWN = (*ARCHITECTURE, *FEEDBACK, *MEMORY)
 # (title, [(recipe section, field names)]) in the order --help prints them
 GROUPS = [
     ("training", [("training", None)]),
@@ -126,17 +132,54 @@ class FlagParser(argparse.ArgumentParser):
         raise RecipeError(f"{message} (see --help)")
 
 
-def _model_defaults(recipe: Recipe):
+def _model_values(recipe: Recipe, names) -> dict:
+    """The model's value of each field in ``names``: the table's (``model_fields``, no torch) for a
+    recipe that names only a preset and fields --help shows, else the config's (megatron-core)."""
+    table = PRESET_VALUES.get(recipe.model.preset, {}) if table_is_current() else {}
+    if not recipe.model_overrides and set(names) <= table.keys():
+        return table
     from fbt_megatron.model.config import recipe_config
 
     try:
-        return recipe_config(recipe)
+        config = recipe_config(recipe)
     except (ValueError, TypeError) as e:
         raise RecipeError(f"model: {e}") from None
+    return {name: getattr(config, name) for name in names}
 
 
-def build_parser(recipe: Recipe, prog: str, description: str, show_all: bool = False) -> FlagParser:
-    """The parser of every recipe field; defaults shown are ``recipe``'s values."""
+def _model_docs() -> dict:
+    """The model fields' descriptions: the table's where it is current (``values.table_is_current``),
+    else FBTConfig's docstrings (megatron-core)."""
+    if table_is_current():
+        return {name: doc for name, (_, doc) in FIELDS.items()}
+    from fbt_megatron.model.config import FBTConfig
+
+    return field_docs(FBTConfig)
+
+
+def _describer(recipe: Recipe, types: dict, show_all: bool):
+    """``describe(section, name)``: a flag's --help text, its field's description and ``recipe``'s value."""
+    model = _model_values(recipe, model_hints() if show_all else MODEL_SHOWN)
+    docs = {name: field_docs(cls) for name, cls in SECTIONS.items()}
+    docs["model"] = {**_model_docs(), **field_docs(ModelSection)}
+    fields = {name for section in types.values() for name in section}
+
+    def describe(section: str, name: str) -> str:
+        if section == "model":
+            value = recipe.model.preset if name == "preset" else model[name]
+        else:
+            value = getattr(getattr(recipe, section), name)
+        text = re.sub(r"``([^`]+)``", lambda m: flag(m[1]) if m[1] in fields else m[1], docs[section].get(name, ""))
+        if not (value is None and "default" in text):  # the description says what null means
+            text = f"{text} (default: {show(value)})".lstrip()
+        return text
+
+    return describe
+
+
+def build_parser(recipe: Recipe, prog: str, description: str, show_all: bool, described: bool) -> FlagParser:
+    """The parser of every recipe field; defaults shown are ``recipe``'s values. Not ``described``: a
+    parser that only parses, its flags without descriptions (no model config: no megatron-core)."""
     parser = FlagParser(
         prog=prog, usage=f"{prog} [--recipe YAML] [--FLAG VALUE ...]", description=description, epilog=EPILOG,
         add_help=False, formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=36, width=100),
@@ -146,28 +189,16 @@ def build_parser(recipe: Recipe, prog: str, description: str, show_all: bool = F
     top.add_argument("--help-all", action="help", help="also list megatron-core's TransformerConfig fields (accepted as flags)")
     top.add_argument("--recipe", metavar="YAML", help="recipe file (recipes/*.yaml); the flags below override it, "
                      "and the defaults shown are its values")
-    config = _model_defaults(recipe)
     types = {name: hints(cls) for name, cls in SECTIONS.items()}
     types["model"] = {"preset": str, **model_hints()}
-    docs = {name: field_docs(cls) for name, cls in SECTIONS.items()}
-    from fbt_megatron.model.config import FBTConfig
-
-    docs["model"] = {**field_docs(FBTConfig), **field_docs(ModelSection)}
-    fields = {name for section in types.values() for name in section}
+    describe = _describer(recipe, types, show_all) if described else None
     shown = set()
 
     def add(group, section: str, name: str, hidden: bool = False):
         hint = types[section][name]
-        if section == "model":
-            value = recipe.model.preset if name == "preset" else getattr(config, name)
-        else:
-            value = getattr(getattr(recipe, section), name)
-        text = re.sub(r"``([^`]+)``", lambda m: flag(m[1]) if m[1] in fields else m[1], docs[section].get(name, ""))
-        if not (value is None and "default" in text):  # the description says what null means
-            text = f"{text} (default: {show(value)})".lstrip()
         extra = dict(nargs="?", const="true") if hint is bool else dict(action="append") if name in REPEATABLE else {}
         group.add_argument(flag(name), dest=f"{section}.{name}", default=None, metavar=metavar(hint),
-                           help=argparse.SUPPRESS if hidden else text, **extra)
+                           help=describe(section, name) if describe and not hidden else argparse.SUPPRESS, **extra)
         shown.add((section, name))
 
     for title, members in GROUPS:
@@ -250,7 +281,10 @@ def parse(argv: Optional[Sequence[str]], prog: str, description: str) -> Recipe:
     first.add_argument("--recipe")
     known, _ = first.parse_known_args(argv)
     recipe = load_recipe(known.recipe)
-    parser = build_parser(recipe, prog, description, show_all="--help-all" in argv)
+    # the descriptions (the model's defaults: its config, megatron-core's) only for a help to print;
+    # the model's config is checked by Recipe.validate
+    parser = build_parser(recipe, prog, description, show_all="--help-all" in argv,
+                          described=not {"-h", "--help", "--help-all"}.isdisjoint(argv))
     args, extra = parser.parse_known_args(argv)
     if extra:
         raise RecipeError(_unknown(extra, parser))

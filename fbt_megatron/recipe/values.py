@@ -4,10 +4,12 @@ the hints of the sections' and the model's settable fields."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import typing
 from typing import Any, Dict, List, Literal
 
 from fbt_megatron.common.errors import RecipeError
+from fbt_megatron.recipe.model_fields import FIELDS, MEGATRON_CORE
 from fbt_megatron.recipe.sections import SECTIONS
 
 
@@ -64,20 +66,36 @@ def hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-_SIMPLE = (bool, int, float, str, tuple)
+def table_is_current() -> bool:
+    """Whether ``model_fields`` was written from the megatron-core installed here (its fields differ
+    between releases): then the command line reads it, else the live ``FBTConfig`` (torch loads)."""
+    try:
+        return importlib.metadata.version("megatron-core") == MEGATRON_CORE
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+SIMPLE_TYPES = (bool, int, float, str, tuple)
 
 
 def _settable(hint) -> bool:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union:
         return all(a is type(None) or _settable(a) for a in args)
-    return origin is Literal or hint in _SIMPLE
+    return origin is Literal or hint in SIMPLE_TYPES
 
 
-@functools.cache
-def model_hints() -> dict:
-    """Type hints of the FBTConfig (and TransformerConfig) fields a recipe may set: simple-typed ones."""
+def live_model_hints() -> dict:
+    """Type hints of the FBTConfig (and TransformerConfig) fields a recipe may set, from the dataclass:
+    simple-typed ones, less those the recipe's sections own."""
     from fbt_megatron.model.config import FBTConfig
 
     owned = {name for cls in SECTIONS.values() for name in hints(cls)} | {"vocab_size"}  # set elsewhere
     return {n: h for n, h in typing.get_type_hints(FBTConfig).items() if _settable(h) and n not in owned}
+
+
+@functools.cache
+def model_hints() -> dict:
+    """Type hints of the model fields a recipe may set: the table's (``model_fields``, no torch) where
+    it is current (``table_is_current``), else the dataclass's (``live_model_hints``)."""
+    return {name: hint for name, (hint, _) in FIELDS.items()} if table_is_current() else live_model_hints()

@@ -10,9 +10,10 @@ callbacks' ``on_step_start`` once its clock runs, e.g. an injected fault; megatr
 forward-backward schedule over the microbatches, each doing k passes; gradients reduced by DDP; the
 callbacks' ``pre_optim_step``; the optimizer step unless the norm is NaN/Inf or a callback vetoes it,
 ``vetoes_update``: a loss spike, ``callbacks.spikes``; the learning-rate step) → advance the state →
-validate when due (``step.validation_due``, at its own interval) → record and log
-(``metrics.TrainingLog``: time, memory, the validation, stragglers) → ``on_step_end`` with that
-record (W&B; after a loss spike, the rewind) → the stop check (``stopping``) → save, the callbacks'
+validate when due (``intervals``) → the callbacks' ``post_step`` on every rank (at a logged step
+the largest rank's memory and the stragglers, for the record) → record and log
+(``metrics.TrainingLog``: time, losses, throughput, the validation and those fields) → ``on_step_end`` with that
+record (the stragglers' line; W&B; after a loss spike, the rewind) → the stop check (``stopping``) → save, the callbacks'
 states with the checkpoint, and decide whether to exit (``saver.Saver``) → ``on_save`` (the
 heartbeat, naming that save; the hang watchdog's kick: ``callbacks.watchdog``). A resumed run's
 callbacks get their saved states back before ``on_start``. After the last step ``on_stop``; an
@@ -41,10 +42,11 @@ from fbt_megatron.trainer.callbacks.registry import callbacks_for
 from fbt_megatron.trainer.callbacks.watchdog import arm_flight_recorder, collective_timeout_s
 from fbt_megatron.trainer.checkpointing import TrainState
 from fbt_megatron.trainer.data import build_data
+from fbt_megatron.trainer.intervals import validation_due
 from fbt_megatron.trainer.metrics import TrainingLog, epochs_note, header, validation_note
 from fbt_megatron.trainer.passes import pass_schedule
 from fbt_megatron.trainer.saver import Saver, check_save
-from fbt_megatron.trainer.step import TrainStep, evaluate, validation_due
+from fbt_megatron.trainer.step import TrainStep, evaluate
 from fbt_megatron.trainer.stopping import StopCheck
 
 log = logging.getLogger(__name__)
@@ -55,14 +57,14 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
     ``callbacks``: more of them (``callbacks.base.Callback``), called after the recipe's."""
     began = time.monotonic()  # --exit-duration-in-mins counts from here
     t, c, p = recipe.training, recipe.checkpoint, recipe.parallel
+    timeout_s = collective_timeout_s(t.distributed_timeout_minutes, t.hang_timeout_minutes)  # the process groups'
     origin, saved, schedule, notes = _check(recipe)
     platform.install()
     if c.save:  # its checkpoint writers' manager, forked while small, before CUDA and NCCL (megatron_fixes)
         megatron_fixes.start_write_results_queue()
     arm_flight_recorder(c.save)  # before the process groups: NCCL's timeout dumps its flight recorder to <save>/hang/
     platform.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.seed,
-                              context_parallel_size=p.context_parallel_size,
-                              timeout_s=collective_timeout_s(t.distributed_timeout_minutes, t.hang_timeout_minutes))
+                              context_parallel_size=p.context_parallel_size, timeout_s=timeout_s)
     dist.barrier()  # the entry point's rank 0 prepared the data (trainer.data.prepare_data) before it came here
     data = build_data(recipe, dist.get_rank())
     vocab, config, model, ddp, optimizer, scheduler, passes, state = _build(recipe, origin, saved, data, schedule)
@@ -72,7 +74,7 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
 
     ranks = record_ranks(c.save)  # every rank's node, in <save>/ranks.json (once the inputs are known good)
     is_logger = logs.is_logging_rank()  # the last rank (its pipeline stage has the losses): its lines, metrics, TensorBoard
-    training_log = TrainingLog(recipe, config, passes, state, ranks, active=is_logger)
+    training_log = TrainingLog(recipe, config, passes, state, active=is_logger)
     step = TrainStep(recipe, model, ddp, optimizer, scheduler, data.train, schedule, state.skipped_steps)
     saver = Saver(recipe, model, optimizer, scheduler, state)
     callbacks = callbacks_for(recipe, state, step, saver, dist.get_rank(), active=is_logger, ranks=ranks,
@@ -83,12 +85,13 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
     try:
         callbacks.start(state)
         while state.iteration < t.train_iters:
-            k = passes(state.iteration)
+            k, validate = passes(state.iteration), validation_due(recipe, state.iteration + 1)
             stop.start_step()  # the ranks agree on stopping while the step computes
-            result = step(state, k, callbacks, measure_deltas=training_log.due(state.iteration + 1))
+            result = step(state, k, callbacks)
             state.advance(k, t.global_batch_size, t.global_batch_size * recipe.data.seq_length, step.bad.skipped)
-            valid = evaluate(recipe, config, ddp, data.valid) if validation_due(recipe, state.iteration) else {}
-            callbacks.step_end(state, training_log.end_step(state, k, result, valid))
+            valid = evaluate(recipe, config, ddp, data.valid) if validate else {}
+            fields = {**valid, **callbacks.post_step(state, result)}  # every rank: at a logged step, collectives
+            callbacks.step_end(state, training_log.end_step(state, k, result, fields))
             exiting = saver.save_and_decide_exit(state, stop.stop_reason(), step.bad, callbacks)
             callbacks.save(state, saver.last)
             if exiting:

@@ -2,8 +2,9 @@
 counters under Megatron-LM's names (``mem_allocated_bytes``, ``mem_reserved_bytes``,
 ``mem_max_allocated_bytes``: its ``--log-memory-to-tensorboard`` tags ``mem-allocated-bytes``, …),
 on a CPU the process's resident set (``rss_bytes`` now, ``max_rss_bytes`` its peak since the process
-started: what the kernel's out-of-memory killer counts). The planner's estimate beside the first
-logged step's peak: ``callbacks.planned_memory``."""
+started: what the kernel's out-of-memory killer counts). Into each logged step's record:
+``callbacks.memory``; the planner's estimate beside the first logged step's peak:
+``callbacks.planned_memory``."""
 
 from __future__ import annotations
 

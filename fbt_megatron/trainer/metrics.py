@@ -3,8 +3,9 @@ the loop's callbacks get it next (Weights & Biases, ``--wandb-project``: ``callb
 Both take a record's scalars under the same tags (``scalars``).
 
 ``TrainingLog`` makes the records: the window of steps since the last one (its time, throughput and
-MFU), the losses, the pass schedule's phase and shares, the z-loss, validation, stragglers
-(``callbacks.stragglers``); ``header`` and ``validation_note`` open the log. ``metrics.jsonl`` is
+MFU), the losses, the pass schedule's phase and shares, the z-loss, validation, and what the
+callbacks add (``post_step``: the stragglers, the largest rank's memory); ``header`` and
+``validation_note`` open the log. ``metrics.jsonl`` is
 appended across resumes; records past the step a run resumes from (logged after the last checkpoint
 of a crashed run) are dropped first, so the file reads as one run.
 """
@@ -22,7 +23,7 @@ from fbt_megatron.common import logs
 from fbt_megatron.common.cli import plural
 from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import atomic_write
-from fbt_megatron.trainer.memory import describe as describe_memory, largest_over_ranks, peak
+from fbt_megatron.trainer.memory import describe as describe_memory, peak
 from fbt_megatron.trainer.scalars import tensorboard_scalars
 
 log = logging.getLogger(__name__)
@@ -104,65 +105,44 @@ class TrainingLog:
     own clock) joins the current window; a logged step (every ``--log-interval``, every validation
     and the last) makes a record: the objective and the per-pass losses (averaged over the
     data-parallel ranks), its time (Unix and UTC), ‖Δs‖, learning rate, gradient norm, skipped steps,
-    the window's time per step and throughput, tokens, MFU (``plan.flops.Throughput``), memory (the
-    largest rank's: ``memory``), the pass phase and shares
-    (``PassShares``), the z-loss, every ``--log-layer-norms-interval`` steps each layer's norms
-    (``norms``), the validation losses the loop measured after the step
-    (``step.validation_due``) and the stragglers (``callbacks.stragglers``: every rank takes part).
-    Only the last pipeline stage (``active``) has the losses and logs. ``ranks``: every rank's node
-    (``ranks``)."""
+    the window's time per step and throughput, tokens, MFU (``plan.flops.Throughput``), the pass
+    phase and shares (``PassShares``), the z-loss, every ``--log-layer-norms-interval`` steps each
+    layer's norms (``norms``), then the validation losses the loop measured after the step and what
+    the callbacks add (``callbacks.base``'s ``post_step``: memory, stragglers). Only the last
+    pipeline stage (``active``) has the losses and logs."""
 
-    def __init__(self, recipe, config, passes, state, ranks: list, active: bool):
+    def __init__(self, recipe, config, passes, state, active: bool):
         import torch.distributed as dist
 
         from fbt_megatron.common.gpus import peak_tflops
         from fbt_megatron.model.flops import Throughput
-        from fbt_megatron.trainer.callbacks.stragglers import Stragglers
 
         c, g = recipe.checkpoint, recipe.logging
         self.recipe, self.config, self.active = recipe, config, active
         self.logger = MetricsLogger(c.save, active=active, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
                                     resume_from=state.iteration)
-        self.stragglers = Stragglers(g.straggler_threshold, c.save, ranks, active)
         self.throughput = Throughput(config, dist.get_world_size(), peak_tflops(g.peak_tflops), state.tokens, state.compute_tokens)
         self.pass_shares = PassShares(passes)
         self.records, self.window_time, self.window_steps = [], 0.0, 0
 
-    def due(self, step: int) -> bool:
-        """Whether step ``step`` (1-based) is logged: every ``--log-interval``, every validation, the last."""
-        from fbt_megatron.trainer.step import validation_due
-
-        return (step % self.recipe.logging.log_interval == 0 or step == self.recipe.training.train_iters
-                or validation_due(self.recipe, step))
-
-    def end_step(self, state, k: int, step, valid: dict) -> Optional[dict]:
-        """After the step (``step.StepResult``, k passes) that brought ``state`` to its iteration and
-        the validation after it (``valid``: its losses; {} when none ran): the step's record, written,
-        at a logged step of the logging rank; else None."""
+    def end_step(self, state, k: int, step, fields: dict) -> Optional[dict]:
+        """After the step (``step.StepResult``, k passes) that brought ``state`` to its iteration:
+        at a logged step of the logging rank its record, with ``fields`` (the validation's losses,
+        what the callbacks add), written; else None."""
         self.window_time += step.seconds
         self.window_steps += 1
-        self.stragglers.add(step.own)
-        if not self.due(state.iteration):
+        if not step.logged or not step.report:  # not logged, or not the last pipeline stage: no losses here
             return None
-        stragglers = self.stragglers.gather()  # every rank
-        memory = largest_over_ranks()  # every rank
-        if not step.report:  # not the last pipeline stage: no losses here
-            return None
-        record = {**self._record(state, k, step), **memory}
+        record = {**self._record(state, k, step), **fields}
         self.window_time, self.window_steps = 0.0, 0
-        record.update(valid)
-        if stragglers:
-            record["stragglers"] = stragglers
         self.records.append(record)
         self.logger.log(record)
-        self.stragglers.report(state.iteration, stragglers)
         return record
 
     def _record(self, state, k: int, step) -> dict:
         from fbt_megatron.model.fbt import pass_weights
-        from fbt_megatron.trainer.step import data_parallel_mean
 
-        report = data_parallel_mean(step.report)
+        report = step.report  # averaged over the data-parallel ranks at a logged step
         losses, now = report["pass_losses"], time.time()
         tokens_per_step = self.recipe.training.global_batch_size * self.recipe.data.seq_length
         record = {

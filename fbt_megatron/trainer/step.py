@@ -11,8 +11,10 @@ PP = 1, passes as virtual pipeline chunks at PP > 1), gradients reduced by DDP �
 NaN/Inf gradient norm (``bad_steps.optimizer_step``) or when a callback vetoes the update
 (``vetoes_update``: a spike to skip or rewind, ``callbacks.spikes``) → the learning-rate step → the
 bad-step record. The step times itself: its whole time and this rank's
-own part, up to the gradient reduction (``callbacks.stragglers.StepClock``). ``evaluate`` runs the
-validation batches forward only, after 0, 1, …, n fused passes, when ``validation_due``.
+own part, up to the gradient reduction (``callbacks.stragglers.StepClock``). A logged step
+(``intervals.logged``) measures the state deltas too and averages its report over the
+data-parallel ranks (``data_parallel_mean``: floats, for the log). ``evaluate`` runs the
+validation batches forward only, after 0, 1, …, n fused passes, when due (``intervals``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from fbt_megatron.model.losses import z_loss_coefficient
 from fbt_megatron.model.sequence import shard_positions
 from fbt_megatron.optimizers.schedule import cooldown_start
 from fbt_megatron.recipe import Recipe
+from fbt_megatron.trainer import intervals
 from fbt_megatron.trainer.bad_steps import BadSteps, optimizer_step
 from fbt_megatron.trainer.norms import gradient_squares, layer_norms
 from fbt_megatron.trainer.callbacks.stragglers import StepClock
@@ -103,13 +106,6 @@ def data_parallel_mean(report: dict) -> dict:
     return out
 
 
-def validation_due(recipe: Recipe, step: int) -> bool:
-    """Whether validation runs after step ``step`` (1-based): every ``--eval-interval`` steps and
-    after the last, unless ``--eval-iters`` is 0; whatever ``--log-interval`` is."""
-    t = recipe.training
-    return bool(t.eval_iters) and (step % t.eval_interval == 0 or step == t.train_iters)
-
-
 def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
     """Validation loss after 0, 1, …, n fused prefill passes (eval mode: no prefix mixin, no jitter)."""
     n = recipe.training.fused_prefill_passes if config.latent_feedback else 0
@@ -131,12 +127,14 @@ def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
 # ---------------------------------------------------------------- the step
 @dataclass
 class StepResult:
-    report: dict  # this rank's per-pass losses, state deltas and z-loss (tensors); empty before the last pipeline stage
+    report: dict  # per-pass losses, state deltas and z-loss: at a logged step averaged over the data-parallel
+    # ranks (floats: data_parallel_mean), else this rank's (tensors); empty before the last pipeline stage
     grad_norm: Optional[float]  # the global gradient norm (None: the fp16 loss scaler found an overflow)
     lr: float  # the learning rate after the step (the first param group's)
     layer_norms: Optional[dict] = None  # every --log-layer-norms-interval steps: norms.layer_norms
     seconds: float = 0.0  # the step's wall time
     own: Optional[float] = None  # this rank's own seconds of it, up to the gradient reduction (callbacks.stragglers)
+    logged: bool = False  # the step makes a record (intervals.logged)
 
 
 class TrainStep:
@@ -150,18 +148,18 @@ class TrainStep:
         self.bad = BadSteps(t.max_bad_steps, skipped_steps)
         self.clock = StepClock(ddp.config, profile=bool(recipe.logging.straggler_threshold) and dist.get_world_size() > 1)
 
-    def __call__(self, state, k: int, callbacks, measure_deltas: bool) -> StepResult:
+    def __call__(self, state, k: int, callbacks) -> StepResult:
         """The step after ``state`` (``checkpointing.TrainState``) with k passes; ``callbacks``: the
-        run's (``callbacks.base.Callbacks``: the module docstring says when each is called); ``measure_deltas``:
-        report the state deltas ‖Δs‖ too (log steps)."""
-        self.clock.start(logged=measure_deltas)  # measure_deltas: a logged step
+        run's (``callbacks.base.Callbacks``: the module docstring says when each is called)."""
+        logged = intervals.logged(self.recipe, state.iteration + 1)  # its state deltas ‖Δs‖ measured, its report averaged
+        self.clock.start(logged=logged)
         t, step, model = self.recipe.training, state.iteration + 1, self.model
         self.ddp.start_step(k)
         model.z_loss.start_step(z_loss_coefficient(t, self.cooldown, state.iteration))
         self.optimizer.zero_grad()
         callbacks.step_start(state, k)  # inside the step's clock: an injected slow step counts in this rank's own time
         report = run_schedule(self.recipe, self.ddp, self.dataset, state.consumed_samples, k, forward_only=False,
-                              measure_deltas=measure_deltas)
+                              measure_deltas=logged)
         callbacks.pre_optim_step(state, report)  # the gradients reduced, before their norm
         if report and t.z_loss_coeff:  # logged from the first step: 0 before the z-loss switches on
             report["z_loss"] = model.z_loss.value(model.config)
@@ -176,4 +174,6 @@ class TrainStep:
         if self.bad.consecutive:
             log.info(f"step {step} skipped: gradient norm {grad_norm} ({self.bad.consecutive} in a row, "
                      f"{self.bad.skipped} in all)")
-        return StepResult(report, grad_norm, self.scheduler.get_lr(self.optimizer.param_groups[0]), norms, *self.clock.stop())
+        seconds = self.clock.stop()
+        report = data_parallel_mean(report) if report and logged else report  # (after the clock: the log's work)
+        return StepResult(report, grad_norm, self.scheduler.get_lr(self.optimizer.param_groups[0]), norms, *seconds, logged)

@@ -36,7 +36,9 @@ torchrun's own command line; on Slurm ``python -m fbt_megatron.slurm torchrun``)
 INT to the workers instead and lets torchrun wait for them, however long the save takes (on Slurm
 at most the time left before the job's time limit, ``--stop-timeout``): a clean stop exits 0 with
 the workers' line last, a second Ctrl-C aborts them at once (exit 130), and a failed worker ends in
-one line naming it. That needs torchrun's ``--signals-to-handle`` (pytorch PR #160690, August 2025);
+one line naming it, with its exit code (128 + the signal that killed it), also when a signal comes
+after the worker died and before torchrun noticed (srun ending a Slurm step for another node's bad
+exit: ``failed_so_far``), and at once. That needs torchrun's ``--signals-to-handle`` (pytorch PR #160690, August 2025);
 an older torchrun handles TERM and INT itself, as plain torchrun does, and says so when it starts.
 
 With ``--max-restarts N`` torchrun restarts failed workers (a crash, a hang's exit 124) from the
@@ -52,19 +54,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 
 from fbt_megatron.common import logs, platform
 from fbt_megatron.common.cli import AGENT, BAD_INPUT_SIGNAL
+from fbt_megatron.common.errors import PeerLostError
 from fbt_megatron.common.io import atomic_write
 
 log = logging.getLogger(__name__)
@@ -146,9 +151,14 @@ class StopCheck:
     def stop_reason(self) -> Optional[str]:
         if self.world == 1:  # nothing to agree on: the flags as they are now
             self.start_step()
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.wait()
+            except RuntimeError as e:  # gloo: "Connection closed by peer"; NCCL: the communicator aborted
+                said = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0]  # less gloo's source location
+                raise PeerLostError(f"rank {dist.get_rank()}: the ranks' stop check lost another rank ({said}): "
+                                    "that rank's own line says why it ended") from None
         signalled, overtime = (int(x) for x in self.flags.tolist())
         if signalled:
             self.signal = signal.Signals(signalled).name
@@ -165,8 +175,12 @@ class StopCheck:
 
     def close(self) -> None:
         """Restore the signal handlers there were before (a process may train again)."""
-        if self.pending is not None:
-            self.pending.wait()
+        if self.pending is not None:  # an exception left the step: its own error is the one to say
+            try:
+                self.pending.wait()
+            except RuntimeError:  # the same lost rank, a second time
+                pass
+            self.pending = None
         global _pipe
         if self.receiver is not None:
             signal.set_wakeup_fd(self.previous_wakeup)
@@ -228,14 +242,28 @@ def bad_input(log_dir: str) -> int:
     return 2
 
 
+FOLLOWED = (signal.SIGTERM, signal.SIGINT)  # how a stopped worker ends: it followed a failure, it did not cause one
+
+
+def first_failure(failures: dict) -> tuple:
+    """The rank that failed first among torch elastic's ``failures`` (global rank: ``ProcessFailure``)
+    and its failure: the earliest torchrun saw (its times are whole seconds, a poll's failures share
+    one); of those seen together, a worker a signal killed (SIGKILL, SIGSEGV; not ``FOLLOWED``) before
+    the workers that exited because it died (a connection closed: exit 1)."""
+    def followed(failure) -> bool:
+        return not (failure.exitcode < 0 and -failure.exitcode not in FOLLOWED)
+
+    return min(failures.items(), key=lambda item: (item[1].timestamp, followed(item[1])))
+
+
 def failed_worker(e) -> int:
     """The end of a torchrun whose worker failed (``e``: torch elastic's ``ChildFailedError``): one
-    line naming the rank that failed first, after that rank's ``error:`` line when it found bad input
-    (``cli.run_cli`` writes it to the worker's error file: torchrun stops the other workers as soon as
-    one fails, often before rank 0 has said anything); returns that worker's exit code (128 + the
-    signal that killed it), not torchrun's 1, so a job script tells bad input (2) and a hang (124)
-    from a crash (``launch.attempts``)."""
-    rank, failure = e.get_first_failure()
+    line naming the rank that failed first (``first_failure``), after that rank's ``error:`` line when
+    it found bad input (``cli.run_cli`` writes it to the worker's error file: torchrun stops the other
+    workers as soon as one fails, often before rank 0 has said anything); returns that worker's exit
+    code (128 + the signal that killed it), not torchrun's 1, so a job script tells bad input (2) and
+    a hang (124) from a crash (``launch.attempts``)."""
+    rank, failure = first_failure(e.failures)
     said = {r: f.message for r, f in e.failures.items() if isinstance(f.message, dict) and "time" in f.message.get("extraInfo", {})}
     code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
     how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
@@ -260,15 +288,56 @@ def own_signal_options(parser) -> List[str]:
     return ["--signals-to-handle", HANDLED_BY_TORCHRUN] if "--signals-to-handle" in parser._option_string_actions else []
 
 
+def _signal_workers(context, signum: int) -> None:
+    """Send ``signum`` to each worker of ``context`` (one start of torchrun's workers): to its process
+    group, torchrun starts each in a session of its own."""
+    for pid in context.pids().values():
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def failed_so_far(context) -> Optional[Exception]:
+    """The workers of ``context`` (torch elastic's ``SubprocessContext``: one start of them) that have
+    ended non-zero, as torchrun's ``ChildFailedError`` names them (None: none has): those its poll has
+    seen, at its times, and those it has not polled yet, now (reaped here: a dead worker is a zombie
+    until then, and its exit status stays with torchrun's ``Popen``, which its own poll reads)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = dict(context._failures)
+    for local_rank, handler in context.subprocess_handlers.items():
+        if local_rank not in failures and handler.proc.poll():
+            failures[local_rank] = ProcessFailure(local_rank=local_rank, pid=handler.proc.pid,
+                                                  exitcode=handler.proc.returncode, error_file=context.error_files[local_rank])
+    if not failures:
+        return None
+    return ChildFailedError(name=str(context.entrypoint), failures={int(context.envs[r]["RANK"]): f for r, f in failures.items()})
+
+
+def _end_failed(context, e, log_dir: str) -> NoReturn:
+    """End this launcher now with its workers' failure ``e`` (``failed_worker``: the line, the exit
+    code), killing the workers left: they cannot stop cleanly after a failure, and Slurm's SIGKILL
+    (``KillWait`` after its SIGTERM) must not find torchrun still closing its workers and rendezvous."""
+    code = failed_worker(e)
+    _signal_workers(context, signal.SIGKILL)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
     """torchrun (``argv``: its command line) with the stop of one process (module docstring):
     SIGTERM and SIGINT go to every worker's process group, and torchrun waits for the workers —
     with ``stop_timeout``, at most that many seconds after the first signal; then they are killed
-    (SIGKILL) and this ends in one line, exit code 128 + 9. A torchrun without
-    ``--signals-to-handle`` (``own_signal_options``) handles TERM and INT itself: it gives the
+    (SIGKILL) and this ends in one line, exit code 128 + 9. A signal that finds a worker failed
+    (``failed_so_far``: srun ending the step for another node's bad exit) ends this at once with that
+    worker's line and exit code, not the signal's; after the end a signal changes nothing. A torchrun
+    without ``--signals-to-handle`` (``own_signal_options``) handles TERM and INT itself: it gives the
     workers 30 s and this ends in one line, 128 + the signal."""
-    import psutil
     from torch.distributed import run
+    from torch.distributed.elastic.agent.server import local_elastic_agent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -277,12 +346,18 @@ def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
         log.warning(f"torchrun: torch {torch.__version__}'s torchrun has no --signals-to-handle: on SIGTERM or SIGINT it gives "
                     "the workers 30 s to stop before it kills them (a newer torch waits for them)", extra=logs.EVERY_RANK)
     stopping: dict = {}  # the first signal forwarded, the timer that ends the wait for the workers, "killed" when it did
+    launched: dict = {}  # "workers": torchrun's latest start of the workers (its SubprocessContext)
     log_dir = tempfile.mkdtemp(prefix="fbt-torchrun-")  # the workers' error files (torchrun's --log-dir)
     os.environ[AGENT] = str(os.getpid())
     # Each rendezvous round's workers get a store of their own (rank 0's, on a fresh port), not the agent's
     # one store for every round: a restart's workers would read the dead workers' addresses from it (gloo's
     # full mesh: connection refused; NCCL's unique id) under the same keys (torch's dynamic_rendezvous).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    start_processes = local_elastic_agent.start_processes
+
+    def start(*args, **kwargs):  # torchrun's agent starting its workers (again after an in-job restart)
+        launched["workers"] = start_processes(*args, **kwargs)
+        return launched["workers"]
 
     def stop_for_bad_input(signum, frame):  # torchrun's agent then stops the workers, as on its own signals
         if not stopping.get("bad input"):
@@ -291,18 +366,12 @@ def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
                 logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.ERROR)
             raise SignalException("a worker found bad input", sigval=signal.Signals(signum))
 
-    def workers() -> list:
-        return psutil.Process().children()
-
     def forward(signum, frame):
-        started = workers()
-        if not started:  # not started yet: nothing to stop cleanly
+        if "workers" not in launched:  # not started yet: nothing to stop cleanly
             raise SystemExit(128 + signum)
-        for worker in started:
-            try:
-                os.killpg(worker.pid, signum)  # torchrun starts each in a session of its own
-            except ProcessLookupError:
-                pass
+        if not (stopping.get("killed") or stopping.get("bad input")) and (failed := failed_so_far(launched["workers"])):
+            _end_failed(launched["workers"], failed, log_dir)  # a worker failed before this signal: that is the end
+        _signal_workers(launched["workers"], signum)
         if stop_timeout is not None and "timer" not in stopping:  # the first signal: the wait starts
             timer = threading.Timer(stop_timeout, kill)
             timer.daemon = True
@@ -311,14 +380,12 @@ def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
 
     def kill():
         stopping["killed"] = True
-        for worker in workers():
-            try:
-                os.killpg(worker.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _signal_workers(launched["workers"], signal.SIGKILL)
 
-    previous = {s: signal.signal(s, forward) for s in SIGNALS}
-    previous[BAD_INPUT_SIGNAL] = signal.signal(BAD_INPUT_SIGNAL, stop_for_bad_input)
+    local_elastic_agent.start_processes = start
+    handled = {s: forward for s in SIGNALS} | {BAD_INPUT_SIGNAL: stop_for_bad_input}
+    for s, handler in handled.items():
+        signal.signal(s, handler)
     try:
         run.main([*options, "--log-dir", log_dir, *argv])
     except SignalException as e:  # HUP or QUIT; TERM and INT too from an older torchrun
@@ -333,9 +400,10 @@ def torchrun(argv: List[str], stop_timeout: Optional[float] = None) -> int:
             return 128 + signal.SIGKILL
         return failed_worker(e)
     finally:
+        for s in handled:  # the end is decided: a signal now (Slurm's, after srun ended the step) does not change it
+            signal.signal(s, signal.SIG_IGN)
         if "timer" in stopping:
             stopping["timer"].cancel()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        local_elastic_agent.start_processes = start_processes
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0

@@ -3,7 +3,8 @@
 and one stopped by too many NaN steps (``BadStepsError``), then the first resumed (its recorder's
 state back from the checkpoint). Each hook it sees is written, in
 order, to ``OUT/<run>.json``, with what the recipe's callbacks had done by then (the
-``metrics.jsonl`` record of the step, the heartbeat's step and checkpoint).
+``metrics.jsonl`` record of the step, the memory in it, the heartbeat's step and checkpoint); what it
+adds to a logged step's record (``post_step``) comes back in the record.
 
     python tests/distributed/callbacks_worker.py CORPUS OUT
 """
@@ -53,10 +54,14 @@ def recorder(save: Path):
         def on_step_start(self, state, k):
             self.events.append(["step_start", state.iteration])
 
+        def post_step(self, state, result):
+            self.events.append(["post", state.iteration, result.logged])
+            return {"mark": state.iteration} if result.logged else {}  # into the step's record
+
         def on_step_end(self, state, record):
             self.ends += 1
             logged = read_metrics(save)
-            self.events.append(["step_end", state.iteration, record and record["step"],
+            self.events.append(["step_end", state.iteration, record and [record["step"], record["mark"], "max_rss_bytes" in record],
                                 logged[-1]["step"] if logged else None])
 
         def on_save(self, state, checkpoint):
@@ -75,7 +80,7 @@ def recorder(save: Path):
 
 
 def main():
-    from fbt_megatron import train
+    from fbt_megatron.commands import train
     from fbt_megatron.trainer import loop
 
     corpus, out = sys.argv[1], Path(sys.argv[2])

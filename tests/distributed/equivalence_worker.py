@@ -120,7 +120,7 @@ def run_layout(args, out: Path, overrides: list, modes: list):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from fbt_megatron import train
+    from fbt_megatron.commands import train
     from fbt_megatron.common import platform
     from fbt_megatron.model.offload import STATS
     from fbt_megatron.trainer import build, checkpointing

@@ -34,7 +34,7 @@ def recipe_args(corpus, *flags) -> list:
 
 def create_seed(corpus, seed_checkpoint, model_json: Path) -> None:
     """The seed checkpoint every layout starts from, and the model's arguments to read it (one process)."""
-    from fbt_megatron import train
+    from fbt_megatron.commands import train
     from fbt_megatron.trainer import loop
 
     recipe = train.parse_args(recipe_args(corpus, "--create-seed-checkpoint", "true", "--save", seed_checkpoint))
@@ -71,7 +71,7 @@ def run_layout(corpus, seed_checkpoint, out: Path, overrides=(), blockwise=False
     """The runs and schedule.json of one layout (the module docstring), in this process's world."""
     import torch.distributed as dist
 
-    from fbt_megatron import train
+    from fbt_megatron.commands import train
     from fbt_megatron.trainer import loop
 
     def run(*flags):

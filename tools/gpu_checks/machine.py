@@ -72,7 +72,8 @@ def transformer_engine() -> Tuple[Optional[str], Optional[str], bool]:
 
 
 def probe() -> Machine:
-    from fbt_megatron.common import platform, simulated_device
+    from fbt_megatron.common import platform
+    from fbt_megatron.testing import simulated_device  # the tests' GPU stand-in (FBT_SIMULATED_DEVICE=1)
 
     version, error, double = transformer_engine()
     cuda = torch.cuda.is_available()

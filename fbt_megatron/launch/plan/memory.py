@@ -92,7 +92,13 @@ the rehearsal's CI size (1 and 4 layers, vocabulary 2,048, 32 tokens, TP 1 and 2
   the next step. A blocking save frees them before the next step: it counts only what they exceed the
   step's activations and transients by (its peak is the larger of the step's and the save's); so does
   a run whose only save follows its only step (the rehearsal's reshard stage), async or not. On a
-  GPU they are host memory.
+  GPU they are host memory. Not counted: at DP > 1 megatron-core's distributed optimizer (Adam, SGD)
+  saves ``fully_reshardable``, gathering the whole stage's FP32 main weights and moments onto every DP
+  rank and cloning their slices, about 24 bytes a parameter (held-out runs, docs/planning.md).
+
+Checked against runs the CPU terms were not fitted on (docs/planning.md, held-out runs: other widths,
+depths, sequences, micro batches, k and optimizers): one process within 13%, planned low where
+activations dominate (what backward's allocator holds beyond them is not a term).
 """
 
 from __future__ import annotations

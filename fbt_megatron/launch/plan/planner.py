@@ -77,15 +77,19 @@ class Plan:
 @contextlib.contextmanager
 def _single_process_group():
     """megatron's parallel state for one process at TP = PP = 1 while the meta model is built
-    (a private one when none exists: ``--dry-run`` plans before the run's own is created)."""
+    (a private one when none exists: a run plans before its own is created). Its group is torch's
+    ``fake`` backend, which communicates with no one and opens no socket: a gloo group's sockets
+    took ports of the moment, one of them the port a run's rank 0 was about to bind for its
+    rendezvous (EADDRINUSE)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     try:
         yield
     finally:

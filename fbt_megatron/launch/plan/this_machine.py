@@ -3,8 +3,9 @@ starts when this machine cannot hold it: the training processes of this node × 
 process against the memory left to them (a GPU's own; on a CPU the host's available memory, or the
 job's cgroup limit when lower). A run past it is ended by the kernel's out-of-memory killer, which
 prints nothing in the run's log. The estimate is the planner's (``planner.make_plan``: its worst
-pipeline stage; a CPU process's terms without a GPU, within 15% of the measured RSS:
-docs/planning.md), a warning, not a refusal: the run may know better."""
+pipeline stage; a CPU process's terms without a GPU, within 15% of the measured RSS of one process,
+runs it was not fitted on included; a data-parallel save is not counted: docs/planning.md), a warning,
+not a refusal: the run may know better."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def estimate_here(recipe: Recipe, world_size: int) -> Tuple[Optional[float], Opt
     except RecipeError:
         return None, None  # (what the training refuses, it says itself)
     finally:
-        # The plan's meta model is garbage in reference cycles with its private gloo group, destroyed:
+        # The plan's meta model is garbage in reference cycles with its private process group, destroyed:
         # collected here, not in the checkpoint writers' results-queue manager the run forks next (its
         # gc freed them there and the manager died: EOFError at the run's second save).
         gc.collect()

@@ -9,7 +9,12 @@ needs after the training: the requeue must happen before the time limit), then k
 128 + 9, one line). Plain torchrun would kill them 30 s after the signal (its ``close`` timeout,
 torch ``elastic/multiprocessing/api.py``), cutting a full-size save. A worker that fails ends the
 launcher with that worker's exit code (128 + the signal that killed it), not torchrun's 1: the job
-script tells bad input (2) and a hang (124) from a crash by it (``launch.attempts``). A
+script tells bad input (2) and a hang (124) from a crash by it (``launch.attempts``). So does
+the SIGTERM that finds the worker dead: srun's ``--kill-on-bad-exit`` ending the step because
+another node's rank exited 1 when this node's was killed (kill -9, the OOM killer), before torchrun
+noticed. The launcher then ends at once, with the worker's signal as its exit code (137), not 143
+and not killed: once srun has ended the step it prints a line only for a task that exited, not for
+one a signal ended, and the attempt's record names the failed node from those lines. A
 torchrun too old for ``--signals-to-handle`` keeps its own 30 s and ends with 128 + the signal.
 
 torchrun's agent itself logs C++ warnings with every frame of their stack: at the end of each

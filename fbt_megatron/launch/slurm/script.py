@@ -253,13 +253,13 @@ def training_script(stage: Stage, res: Resources, launch: str, signal_seconds: i
 
 def export_eval_script(name: str, models: List[Path], exports: Path, results: Path, eval_args: List[str], res: Resources,
                        workdir: Path, python: str) -> str:
-    """A job of tools/eval.py: run folders among ``models`` are exported into ``exports`` first;
+    """A job of ``python -m fbt_megatron.evaluation table``: run folders among ``models`` are exported into ``exports`` first;
     the table goes to ``results`` (after a chain: its last stage; ``evaluate``: the models given)."""
     return render(
         "export_eval.sbatch", name=name, time=res.time, log_dir=shlex.quote(str(res.log_dir)),
         sbatch_options=res.one_task_options(), workdir=shlex.quote(str(workdir)),
         container=res.container(workdir), python=res.python(python), environment=res.exports(),
-        repository=shlex.quote(str(REPOSITORY)), eval_tool=shlex.quote(str(REPOSITORY / "tools" / "eval.py")), models=quoted(models),
+        repository=shlex.quote(str(REPOSITORY)), models=quoted(models),
         exports=shlex.quote(str(exports)), results=shlex.quote(str(results)), eval_args=quoted(eval_args),
     )
 

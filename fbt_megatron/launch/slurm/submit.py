@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import yaml
+
 from fbt_megatron.launch.slurm.script import JOIN_TIMEOUT, Resources, Retries, Stage, export_eval_script, training_script
 from fbt_megatron.recipe import RecipeError, flags
 
@@ -41,11 +43,21 @@ def stage(recipe_path: str, train_flags: List[str], runs_root: Path, name: Optio
     if pretrained is None and c.pretrained_checkpoint:
         pretrained = Path(c.pretrained_checkpoint).resolve()
     return Stage(name=name, recipe=str(path.resolve()), save=save, train_iters=recipe.training.train_iters,
-                 flags=list(train_flags), pretrained=pretrained, config=recipe)
+                 flags=_timestamped(path, train_flags), pretrained=pretrained, config=recipe)
 
 
 def _given(flag: str, train_flags: List[str]) -> bool:
     return any(f == flag or f.startswith(flag + "=") for f in train_flags)
+
+
+def _timestamped(path: Path, train_flags: List[str]) -> List[str]:
+    """The flags with ``--log-timestamps`` ahead of them: every line of a job's log opens with its UTC
+    time, to be lined up with the cluster's events (the scheduler's, a node's, the file system's);
+    unless the flags or the recipe's own ``logging`` section set it."""
+    recipe = yaml.safe_load(path.read_text()) or {}
+    if _given("--log-timestamps", train_flags) or "log_timestamps" in (recipe.get("logging") or {}):
+        return list(train_flags)
+    return ["--log-timestamps", *train_flags]
 
 
 def chain(recipes: List[str], train_flags: List[str], runs_root: Path, stage_flags: Dict[str, List[str]]) -> List[Stage]:

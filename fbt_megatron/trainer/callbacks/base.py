@@ -14,6 +14,11 @@
 * ``vetoes_update(state, grad_norm) -> bool``: the step's global gradient norm, finite, before the
   update; True: the update is not applied (``spikes``). Every callback is asked, whatever the
   others answer (a detector sees every norm).
+* ``post_step(state, result) -> dict``: after the step and its validation, on every rank
+  (``result``: the step's ``step.StepResult``; ``result.logged``: a step that makes a record): what
+  the callback adds to that record ({}: nothing), merged in registration order; at a logged step
+  a callback may run a collective here, since every rank calls it (the stragglers' all-gather:
+  ``stragglers``; the largest rank's memory: ``memory``).
 * ``on_step_end(state, record)``: after the step and its validation; ``record``: the step's log
   record, already on stdout, in ``metrics.jsonl`` and TensorBoard (``metrics.TrainingLog``), or
   None (not a logged step, or not the logging rank).
@@ -61,6 +66,9 @@ class Callback:
 
     def vetoes_update(self, state, grad_norm: float) -> bool:
         return False
+
+    def post_step(self, state, result) -> dict:
+        return {}
 
     def on_step_end(self, state, record: Optional[dict]) -> None:
         pass
@@ -110,6 +118,13 @@ class Callbacks:
     def vetoes_update(self, state, grad_norm: float) -> bool:
         """Whether any callback vetoes the update (every one is asked)."""
         return any([callback.vetoes_update(state, grad_norm) for callback in self.callbacks])
+
+    def post_step(self, state, result) -> dict:
+        """What the callbacks add to the step's record, merged first to last."""
+        fields = {}
+        for callback in self.callbacks:
+            fields.update(callback.post_step(state, result))
+        return fields
 
     def step_end(self, state, record: Optional[dict]) -> None:
         for callback in self.callbacks:

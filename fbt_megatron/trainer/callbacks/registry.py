@@ -7,7 +7,9 @@ from typing import List, Sequence
 from fbt_megatron.trainer.callbacks.base import Callback, Callbacks
 from fbt_megatron.trainer.callbacks.faults import Faults, NaNInjection
 from fbt_megatron.trainer.callbacks.heartbeat import Heartbeat
+from fbt_megatron.trainer.callbacks.memory import Memory
 from fbt_megatron.trainer.callbacks.spikes import Spikes
+from fbt_megatron.trainer.callbacks.stragglers import Stragglers
 from fbt_megatron.trainer.callbacks.timeline import Timeline
 from fbt_megatron.trainer.callbacks.wandb_writer import WandbWriter
 from fbt_megatron.trainer.callbacks.watchdog import Watchdog
@@ -21,16 +23,18 @@ def callbacks_for(recipe, state, step, saver, rank: int, active: bool, ranks: Li
 
     1. injected faults (``--inject-fault``, ``--inject-nan``: ``faults``): at the step's start,
        inside its clock; a spiking or poisoned gradient before the update;
-    2. Weights & Biases (``--wandb-project``, the logging rank): each record after stdout,
+    2. the largest rank's memory and the stragglers (``memory``, ``stragglers``: every rank, for a
+       logged step's record; the stragglers' line after the record's);
+    3. Weights & Biases (``--wandb-project``, the logging rank): each record after stdout,
        ``metrics.jsonl`` and TensorBoard have it; its run finishes after the log's summary line;
-    3. the spike check (``--spike-policy`` other than off: ``spikes``, every rank, its state saved
+    4. the spike check (``--spike-policy`` other than off: ``spikes``, every rank, its state saved
        in each checkpoint): it vetoes a spiking step's update; a rewind after that step's record,
        before the save point, so the checkpoint saved next is of the rewound run;
-    4. the heartbeat and the timeline (``--save``, the logging rank): after the save point, so they
+    5. the heartbeat and the timeline (``--save``, the logging rank): after the save point, so they
        name the checkpoint just written; at the end, the step reached;
-    5. the hang watchdog (``--hang-timeout-minutes``): kicked last, so a step, its validation, its
+    6. the hang watchdog (``--hang-timeout-minutes``): kicked last, so a step, its validation, its
        checkpoint and the heartbeat all count in its timeout;
-    6. ``extra`` (``train``'s own argument), after the recipe's: they see what those did.
+    7. ``extra`` (``train``'s own argument), after the recipe's: they see what those did.
     """
     t, c, g = recipe.training, recipe.checkpoint, recipe.logging
     out = []
@@ -38,6 +42,7 @@ def callbacks_for(recipe, state, step, saver, rank: int, active: bool, ranks: Li
         out.append(Faults(t.inject_fault, c.save, rank, step.model))
     if t.inject_nan:
         out.append(NaNInjection(t.inject_nan, step.model))
+    out += [Memory(), Stragglers(g.straggler_threshold, c.save, ranks, active)]
     if g.wandb_project and active:
         out.append(WandbWriter(recipe))
     if t.spike_policy != "off":

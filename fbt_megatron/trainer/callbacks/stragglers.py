@@ -26,13 +26,14 @@ time the host's scheduler gave other processes: on a busy 2-core machine it name
 was kept waiting (1.505× at threshold 1.5 in a world of two, where that is 3 times the other's
 time), while the same work costs each rank about the same CPU time.
 
-When (``Stragglers``): every rank adds up its own times between logged steps (on a GPU: the
-logged step's), without any communication; at a logged step (``--log-interval``, a validation, the
-last step) the means meet in one all-gather of one number per rank (the nodes are known from start-up: ``ranks``). A rank whose
+When (``Stragglers``, a callback of every rank: ``post_step``): every rank adds up its own times
+between logged steps (on a GPU: the logged step's), without any communication; at a logged step
+(``--log-interval``, a validation, the last step) the means meet in one all-gather of one number
+per rank (the nodes are known from start-up: ``ranks``). A rank whose
 mean exceeds the threshold × the median of all ranks' means is a straggler. (In a world of two the
 median is the pair's mean: at 1.5 a rank is named when it takes 3 times as long as the other.)
 
-Where: the logging rank says it in one line (each straggler's rank, node, time and ratio, the
+Where (``on_step_end``, after the record's line): the logging rank says it in one line (each straggler's rank, node, time and ratio, the
 median), adds ``stragglers`` ``[{"rank", "node", "step_time", "median", "ratio"}]`` to the step's
 record (``metrics.jsonl``; TensorBoard and W&B: ``stragglers/rank<R>``, the ratio) and appends one
 line per straggler to ``<save>/stragglers.jsonl`` for the Slurm attempt record: ``{"time": ISO-UTC,
@@ -57,6 +58,7 @@ from torch.autograd import DeviceType
 from fbt_megatron.common import logs, platform
 from fbt_megatron.common.clock import utc
 from fbt_megatron.common.io import append_line
+from fbt_megatron.trainer.callbacks.base import Callback
 
 log = logging.getLogger(__name__)
 
@@ -151,22 +153,31 @@ class StepClock:
         return time.perf_counter() - self.started - self.overhead, self.own
 
 
-class Stragglers:
-    """The straggler check of one run on this rank (module docstring): ``add`` each step's own
-    time, ``gather`` at each logged step (every rank), ``report`` what it found (the logging rank)."""
+class Stragglers(Callback):
+    """The straggler check of one run on this rank (module docstring): each step's own time kept,
+    the ranks' means gathered at each logged step (every rank) into the record, and what that found
+    said (the logging rank)."""
 
     def __init__(self, threshold: float, save: Optional[str], ranks: List[dict], active: bool):
         """``threshold``: ``--straggler-threshold`` (0: off); ``ranks``: every rank's node
         (``ranks.record_ranks``); ``active``: this rank reports."""
         self.threshold, self.ranks, self.on = threshold, ranks, bool(threshold) and len(ranks) > 1
         self.path = Path(save) / STRAGGLERS if save is not None and active else None
-        self.active, self.spans, self.window = active, [], 0
+        self.active, self.spans, self.window, self.named = active, [], 0, []
 
-    def add(self, own: Optional[float]) -> None:
-        """A step's own seconds (``StepClock``; None: not measured), kept until the next logged step
-        (when the check is on)."""
-        if self.on and own is not None:
-            self.spans.append(own)
+    def post_step(self, state, result) -> dict:
+        """The step's own seconds (``StepClock``; None: not measured) kept until the next logged
+        step (when the check is on); at a logged step, ``stragglers`` for its record (when any)."""
+        if self.on and result.own is not None:
+            self.spans.append(result.own)
+        if not result.logged:
+            return {}
+        self.named = self.gather()
+        return {"stragglers": self.named} if self.named else {}
+
+    def on_step_end(self, state, record: Optional[dict]) -> None:
+        if record is not None:
+            self.report(record["step"], self.named)
 
     def gather(self) -> List[dict]:
         """At a logged step, on every rank (one all-gather when on and the world has more than one

@@ -1,7 +1,7 @@
 """A CPU test double of Transformer Engine 2.16 (the TE of NGC PyTorch 26.06, the project's image).
 
 FBT calls every layer k times per microbatch, and TE keeps state per call that megatron-core drives
-for a model that calls each layer once. The simulated device (``fbt_megatron.common.simulated_device``)
+for a model that calls each layer once. The simulated device (``fbt_megatron.testing.simulated_device``)
 models CUDA and NCCL, not TE, so everything in that state was invisible to the suite. This package
 is importable as ``transformer_engine`` (``PYTHONPATH=tests/doubles``) and runs megatron-core's own
 TE wrappers (``megatron.core.extensions.transformer_engine``) on the CPU or the simulated device.

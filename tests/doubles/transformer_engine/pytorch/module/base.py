@@ -16,7 +16,7 @@ _dummy_wgrads = {}
 
 def gpu() -> torch.device:
     """TE's device: CUDA, or on a CPU-only machine the PrivateUse1 device standing for it (the
-    simulated device of ``fbt_megatron.common.simulated_device``), else the host."""
+    simulated device of ``fbt_megatron.testing.simulated_device``), else the host."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     name = torch._C._get_privateuse1_backend_name()

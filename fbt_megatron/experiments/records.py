@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import List
 
 from fbt_megatron.common.io import atomic_folder
-from fbt_megatron.evaluation.studies.grid import REPO, RunSpec
-from fbt_megatron.evaluation.studies.runner import DONE, EVAL, IDENTITY, identity, is_done
+from fbt_megatron.experiments.grid import REPO, RunSpec
+from fbt_megatron.experiments.runner import DONE, EVAL, IDENTITY, identity, is_done
 
 FILES = (IDENTITY, DONE, "metrics.jsonl", EVAL)
 

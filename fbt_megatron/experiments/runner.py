@@ -26,7 +26,7 @@ from typing import List, Optional
 from tqdm import tqdm
 
 from fbt_megatron.common.io import atomic_write
-from fbt_megatron.evaluation.studies.grid import REPO, RunSpec
+from fbt_megatron.experiments.grid import REPO, RunSpec
 from fbt_megatron.trainer.metrics import read_metrics
 
 STEP_LINE = re.compile(r"^\S+Z step\s+(\d+)\b")  # a step's log line: its UTC time, the step (trainer.metrics.format_record)

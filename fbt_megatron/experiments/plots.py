@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from fbt_megatron.evaluation.studies.compare import family
+from fbt_megatron.experiments.compare import family
 
 
 def _colour(model: str, index: int, count: int):

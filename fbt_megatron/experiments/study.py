@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from fbt_megatron.evaluation.studies.grid import SUBSET_RULES, RunSpec, Study, expand, subset_tokens_needed
-from fbt_megatron.evaluation.studies.runner import Runner, is_done
+from fbt_megatron.experiments.grid import SUBSET_RULES, RunSpec, Study, expand, subset_tokens_needed
+from fbt_megatron.experiments.runner import Runner, is_done
 from fbt_megatron.trainer.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 def prepare_data(study: Study, grid: str, root: Path, show: bool = True) -> Dict[str, int]:
     """The corpus and the subsets ``grid`` trains on, prepared if missing; {subset: train tokens}."""
     from fbt_megatron.data.corpus import ensure_corpus
-    from fbt_megatron.evaluation.studies.subsets import prepare_subset
+    from fbt_megatron.experiments.subsets import prepare_subset
 
     names = subset_tokens_needed(study, grid)
     if not names:
@@ -72,7 +72,7 @@ def run(runs: List[RunSpec], jobs: int, cpus: int, nice: int, show: bool = True)
 def runs_of_grids(pairs: List[tuple], root: Path, show: bool = False, reuse: Sequence[Path] = ()) -> List[RunSpec]:
     """The runs of several (study, grid) pairs in order, each run once; the records in ``reuse``
     (report folders' records/) of those not done yet are put in their places first."""
-    from fbt_megatron.evaluation.studies import records
+    from fbt_megatron.experiments import records
 
     runs, seen = [], set()
     for study, grid in pairs:
@@ -97,7 +97,7 @@ def report(study: Study, grids: List[str], root: Path, out: Path, partial: bool 
     (``out/records``, studies.records); every run must be done unless ``partial``. With
     ``keep_reported``, a run not under ``root`` keeps its record from ``out/records`` or, reported
     before records were kept, its row in ``out/results.json``: a report can grow by new grids."""
-    from fbt_megatron.evaluation.studies import compare, plots, records, results
+    from fbt_megatron.experiments import compare, plots, records, results
 
     if keep_reported and (out / "records").is_dir():
         reuse = [*reuse, out / "records"]

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import statistics
 from collections import defaultdict
 from typing import Dict, List
 
-from fbt_megatron.evaluation.studies.results import spread, summary
+from fbt_megatron.experiments.results import spread, summary
 
 
 def is_baseline(model: str) -> bool:

@@ -23,7 +23,6 @@ few steps, not for speed.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,6 @@ from torch.utils._pytree import tree_map
 
 DEVICE_TYPE = "fakegpu"
 BACKEND = "fakenccl"
-ENV = "FBT_SIMULATED_DEVICE"
 DEVICE = f"{DEVICE_TYPE}:0"  # a string: torch knows the name only once install() has registered it
 _HOST = torch.device("cpu")
 _DATA = torch._C.TensorBase.__dict__["data"]  # its __set__ is a new method object at every access
@@ -40,10 +38,6 @@ _DATA = torch._C.TensorBase.__dict__["data"]  # its __set__ is a new method obje
 _MIXED_OK = {"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "index", "index_put_",
              "_index_put_impl_", "set_", "lift_fresh"}
 _installed = False
-
-
-def requested() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
 
 
 class DeviceTensor(torch.Tensor):

@@ -15,8 +15,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List
 
-from fbt_megatron.evaluation.studies.grid import RunSpec
-from fbt_megatron.evaluation.studies.runner import DONE, EVAL
+from fbt_megatron.experiments.grid import RunSpec
+from fbt_megatron.experiments.runner import DONE, EVAL
 from fbt_megatron.trainer.metrics import read_metrics
 
 HELD = 0.95  # a task run holds when its full recurrence is at least this accurate in every position bucket
