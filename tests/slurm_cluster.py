@@ -73,6 +73,11 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 SlurmdTimeout=10
+# A slurmd of this loaded 2-core host once took over 10 s (the default) to answer the terminate of a failed
+# attempt's step; slurmctld retries such an RPC 60 s later (its agent_retry), when the requeued attempt's
+# training step had the same ID (<job>.1) and was cancelled by it. A dead node refuses at once: its tests
+# wait no longer.
+MessageTimeout=30
 SchedulerParameters=bf_interval=1,sched_interval=1
 KillWait=30
 StateSaveLocation={base}/state

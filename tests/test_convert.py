@@ -388,7 +388,7 @@ def test_training_at_tp2_starts_from_an_import(tmp_path, small_corpus):
     from fbt_megatron.inference.runs import run_recipe
     from fbt_megatron.model.fbt import masked_mean
     from fbt_megatron.trainer.data import build_data
-    from fbt_megatron.trainer.metrics import read_metrics
+    from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
     from fbt_megatron.trainer.step import microbatches
 
     recipe, _ = run_recipe(str(tmp_path / "tuned"))

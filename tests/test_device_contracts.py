@@ -34,7 +34,7 @@ from equivalence import ENTRY, corpus_flags, worst_difference
 from forked import run_commands
 from helpers import launch
 
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
 DOUBLES = Path(__file__).parent / "doubles"  # import transformer_engine (and Apex's wgrad kernel): the CPU double

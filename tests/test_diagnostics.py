@@ -15,7 +15,7 @@ import torch
 from helpers import launch
 
 from fbt_megatron.evaluation.diagnostics import common, fixed_point, generation, prefill, probes
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TRAIN = ["fbt_megatron.train", "--threads", "1", "--train-iters", "4", "--eval-interval", "4", "--eval-iters", "1"]

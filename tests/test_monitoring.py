@@ -42,7 +42,7 @@ from fbt_megatron.common.errors import RecipeError
 from fbt_megatron.trainer.callbacks.heartbeat import read_heartbeat
 from fbt_megatron.trainer.ranks import read_ranks
 from fbt_megatron.trainer.callbacks.stragglers import read_stragglers
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 from fbt_megatron.trainer.scalars import tensorboard_scalars
 
 ROOT = Path(__file__).parent.parent

@@ -32,7 +32,7 @@ from forked import Signal, descendants, run_commands, survivors
 from fbt_megatron.commands import train
 from fbt_megatron.trainer import build, checkpointing, saver
 from fbt_megatron.trainer.bad_steps import optimizer_step
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent

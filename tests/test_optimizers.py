@@ -25,7 +25,7 @@ from helpers import build, launch
 
 from fbt_megatron.optimizers import uses_normuon
 from fbt_megatron.optimizers.normuon import NorMuon
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
 TOLERANCE = 1e-5

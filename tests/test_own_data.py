@@ -24,7 +24,7 @@ from forked import run_commands
 from fbt_megatron.common.cli import run_cli
 from fbt_megatron.evaluation.local_tasks import NEXT_LINE, PERPLEXITY, SPLIT_PERPLEXITY
 from fbt_megatron.trainer import checkpointing
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")

@@ -23,7 +23,7 @@ from forked import run_commands
 from helpers import launch
 
 from fbt_megatron.model.config import PRESETS
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 from fbt_megatron.trainer.passes import PassPhase, PassSchedule
 
 DISTRIBUTED = Path(__file__).parent / "distributed"

@@ -13,7 +13,7 @@ from helpers import launch
 from fbt_megatron.common.clock import utc
 from fbt_megatron.launch.plan import this_machine
 from fbt_megatron.launch.plan.planner import gib, make_plan
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 from test_train import TINY, train
 
 DISTRIBUTED = Path(__file__).parent / "distributed"

@@ -44,7 +44,7 @@ from fbt_megatron.common.errors import RecipeError
 from fbt_megatron.recipe.faults import Fault, parse_faults
 from fbt_megatron.trainer.callbacks.spikes import Spikes
 from fbt_megatron.trainer.callbacks.watchdog import HANG_EXIT, diagnose
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent

@@ -15,7 +15,7 @@ from fbt_megatron.data.packed_rows import PackedRows
 from fbt_megatron.data.sft import chat, packing
 from fbt_megatron.data.tokenizer import load_tokenizer
 from fbt_megatron.model import fbt
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 ROOT = Path(__file__).parent.parent
 CONVERSATION = [

@@ -30,7 +30,7 @@ from fbt_megatron.launch.plan.planner import batch_fit
 from fbt_megatron.recipe import load_recipe
 from fbt_megatron.trainer import checkpointing
 from fbt_megatron.trainer.callbacks.timeline import read_timeline
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent

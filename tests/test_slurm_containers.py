@@ -27,7 +27,7 @@ import pytest
 from slurm_cluster import SlurmCluster, find_pyxis, missing_binaries
 from test_slurm import DRILL_STEPS, TINY, drill_flags, job_ids, last_step, same_losses, starts, submit_many, wait_until  # noqa: F401 (drill_flags: a fixture)
 
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 from fbt_megatron.common.processes import outside_group
 
 ROOT = Path(__file__).parent.parent

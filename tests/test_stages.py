@@ -16,7 +16,7 @@ from forked import run_commands
 from helpers import launch
 
 from fbt_megatron.trainer import checkpointing
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TINY, LONGCTX = ROOT / "recipes" / "tiny_cpu.yaml", ROOT / "recipes" / "longctx_tiny_cpu.yaml"

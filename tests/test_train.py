@@ -9,7 +9,7 @@ import pytest
 from forked import run_commands
 
 from fbt_megatron.recipe import RecipeError
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")

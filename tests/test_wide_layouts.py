@@ -19,7 +19,7 @@ import torch
 from forked import run_commands
 from helpers import launch
 
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 # float32 noise of these runs: per-pass losses mostly within 1e-7, gradient norms within 4e-8, once 1.5e-6

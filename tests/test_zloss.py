@@ -10,7 +10,7 @@ from helpers import build, launch, tokens
 
 from fbt_megatron.model.losses import z_loss_coefficient
 from fbt_megatron.recipe import load_recipe
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fbt_megatron.trainer.metrics import read_metrics  # noqa: E402
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics  # noqa: E402
 
 RUNS = {"bf16": [], "fp8": ["--fp8", "hybrid"]}  # FP8 at the default recipe (model.te_calls)
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fbt_megatron.common.cli import run_cli
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("prompt", "random")

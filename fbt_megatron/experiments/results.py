@@ -17,7 +17,7 @@ from typing import Dict, List
 
 from fbt_megatron.experiments.grid import RunSpec
 from fbt_megatron.experiments.runner import DONE, EVAL
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 HELD = 0.95  # a task run holds when its full recurrence is at least this accurate in every position bucket
 

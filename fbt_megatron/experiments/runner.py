@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 from fbt_megatron.common.io import atomic_write
 from fbt_megatron.experiments.grid import REPO, RunSpec
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
-STEP_LINE = re.compile(r"^\S+Z step\s+(\d+)\b")  # a step's log line: its UTC time, the step (trainer.metrics.format_record)
+STEP_LINE = re.compile(r"^\S+Z step\s+(\d+)\b")  # a step's log line: its UTC time, the step (trainer.callbacks.metrics_writer.format_record)
 DONE, IDENTITY, EVAL = "done.json", "run.json", "eval.json"
 
 

@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence
 
 from fbt_megatron.experiments.grid import SUBSET_RULES, RunSpec, Study, expand, subset_tokens_needed
 from fbt_megatron.experiments.runner import Runner, is_done
-from fbt_megatron.trainer.metrics import read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
 log = logging.getLogger(__name__)
 

@@ -74,7 +74,7 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
 
     ranks = record_ranks(c.save)  # every rank's node, in <save>/ranks.json (once the inputs are known good)
     is_logger = logs.is_logging_rank()  # the last rank (its pipeline stage has the losses): its lines, metrics, TensorBoard
-    training_log = TrainingLog(recipe, config, passes, state, active=is_logger)
+    training_log = TrainingLog(recipe, config, passes, state)
     step = TrainStep(recipe, model, ddp, optimizer, scheduler, data.train, schedule, state.skipped_steps)
     saver = Saver(recipe, model, optimizer, scheduler, state)
     callbacks = callbacks_for(recipe, state, step, saver, dist.get_rank(), active=is_logger, ranks=ranks,
@@ -103,8 +103,7 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
         raise
     finally:
         stop.close()
-        training_log.close(state)  # its summary line, then the callbacks' close (W&B's last lines after it)
-        callbacks.close()
+        callbacks.close()  # the log's summary line first (its writer's), W&B's last lines after it
     saver.finish(state, stop, callbacks)
     return training_log.records
 

@@ -1,39 +1,25 @@
-"""Training logs: one record per logged step, to stdout, TensorBoard and ``<save>/metrics.jsonl``;
-the loop's callbacks get it next (Weights & Biases, ``--wandb-project``: ``callbacks.wandb_writer``).
-Both take a record's scalars under the same tags (``scalars``).
+"""Training logs: one record per logged step, made here (``TrainingLog``) and handed to the loop's
+callbacks, the first of which writes it to stdout, TensorBoard and ``<save>/metrics.jsonl``
+(``callbacks.metrics_writer``); then Weights & Biases (``--wandb-project``: ``callbacks.wandb_writer``).
 
 ``TrainingLog`` makes the records: the window of steps since the last one (its time, throughput and
 MFU), the losses, the pass schedule's phase and shares, the z-loss, validation, and what the
 callbacks add (``post_step``: the stragglers, the largest rank's memory); ``header`` and
-``validation_note`` open the log. ``metrics.jsonl`` is
-appended across resumes; records past the step a run resumes from (logged after the last checkpoint
-of a crashed run) are dropped first, so the file reads as one run.
+``validation_note`` open the log.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Optional
 
-from fbt_megatron.common import logs
 from fbt_megatron.common.cli import plural
 from fbt_megatron.common.clock import utc
-from fbt_megatron.common.io import atomic_write
-from fbt_megatron.trainer.memory import describe as describe_memory, peak
-from fbt_megatron.trainer.scalars import tensorboard_scalars
 
 log = logging.getLogger(__name__)
 
-METRICS = "metrics.jsonl"
-
-
-def read_metrics(folder) -> list:
-    path = Path(folder) / METRICS
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 class PassShares:
@@ -53,53 +39,6 @@ class PassShares:
                 "k_share": {str(k): n / steps for k, n in sorted(self.counts.items())}}
 
 
-class MetricsLogger:
-    def __init__(self, folder: Optional[str], active: bool = True, tensorboard: bool = True,
-                 tensorboard_dir: Optional[str] = None, resume_from: int = 0):
-        """``active`` False: this rank does not log. ``folder`` None: no metrics file (and no
-        TensorBoard unless ``tensorboard_dir`` is given). ``resume_from``: the step the run resumes at."""
-        self.active = active
-        self.file = self.writer = self.last = None
-        if not active:
-            return
-        if folder is not None:
-            folder = Path(folder)
-            folder.mkdir(parents=True, exist_ok=True)
-            kept = [r for r in read_metrics(folder) if r["step"] <= resume_from]
-            atomic_write(folder / METRICS, "".join(json.dumps(r) + "\n" for r in kept))
-            self.file = open(folder / METRICS, "a")
-        events = tensorboard_dir or (folder / "tensorboard" if folder is not None else None)
-        if tensorboard and events is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(events), purge_step=resume_from + 1 if resume_from else None)
-
-    def log(self, record: dict) -> None:
-        if self.active:
-            log.info(format_record(record), extra=logs.STAMPED)  # the line opens with the record's own time
-            self.last = record
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-        if self.writer:
-            for tag, value in tensorboard_scalars(record).items():
-                self.writer.add_scalar(tag, value, record["step"])
-            self.writer.flush()
-
-    def close(self, state=None) -> None:
-        """Ends the log with a summary line of the step reached (``state``, a ``TrainState``; else
-        the last logged record): tokens, and equivalent-compute tokens (tokens × passes)."""
-        r = vars(state) if state is not None and state.tokens else self.last
-        if self.active and r is not None:
-            step = r.get("iteration", r.get("step"))
-            log.info(f"trained to step {step}: {r['tokens']:,} tokens, {r['compute_tokens']:,} equivalent-compute tokens "
-                     f"(tokens × passes, {r['compute_tokens'] / r['tokens']:.3f} passes per token)")
-        if self.file:
-            self.file.close()
-        if self.writer:
-            self.writer.close()
-
-
 class TrainingLog:
     """The log of a training run on this rank. Every step's time (``step.StepResult``: the step's
     own clock) joins the current window; a logged step (every ``--log-interval``, every validation
@@ -109,18 +48,16 @@ class TrainingLog:
     phase and shares (``PassShares``), the z-loss, every ``--log-layer-norms-interval`` steps each
     layer's norms (``norms``), then the validation losses the loop measured after the step and what
     the callbacks add (``callbacks.base``'s ``post_step``: memory, stragglers). Only the last
-    pipeline stage (``active``) has the losses and logs."""
+    pipeline stage has the losses and makes records."""
 
-    def __init__(self, recipe, config, passes, state, active: bool):
+    def __init__(self, recipe, config, passes, state):
         import torch.distributed as dist
 
         from fbt_megatron.common.gpus import peak_tflops
         from fbt_megatron.model.flops import Throughput
 
-        c, g = recipe.checkpoint, recipe.logging
-        self.recipe, self.config, self.active = recipe, config, active
-        self.logger = MetricsLogger(c.save, active=active, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
-                                    resume_from=state.iteration)
+        g = recipe.logging
+        self.recipe, self.config = recipe, config
         self.throughput = Throughput(config, dist.get_world_size(), peak_tflops(g.peak_tflops), state.tokens, state.compute_tokens)
         self.pass_shares = PassShares(passes)
         self.records, self.window_time, self.window_steps = [], 0.0, 0
@@ -128,7 +65,7 @@ class TrainingLog:
     def end_step(self, state, k: int, step, fields: dict) -> Optional[dict]:
         """After the step (``step.StepResult``, k passes) that brought ``state`` to its iteration:
         at a logged step of the logging rank its record, with ``fields`` (the validation's losses,
-        what the callbacks add), written; else None."""
+        what the callbacks add), for the callbacks (``metrics_writer`` writes it first); else None."""
         self.window_time += step.seconds
         self.window_steps += 1
         if not step.logged or not step.report:  # not logged, or not the last pipeline stage: no losses here
@@ -136,7 +73,6 @@ class TrainingLog:
         record = {**self._record(state, k, step), **fields}
         self.window_time, self.window_steps = 0.0, 0
         self.records.append(record)
-        self.logger.log(record)
         return record
 
     def _record(self, state, k: int, step) -> dict:
@@ -168,10 +104,6 @@ class TrainingLog:
             record.update(z_loss=report["z_loss"], loss=record["loss"] + report["z_loss"])
         return record
 
-    def close(self, state) -> None:
-        """The log's end: its summary line says the step ``state`` reached (a stop may come between
-        logged steps)."""
-        self.logger.close(state)
 
 
 def header(recipe, model, vocab: int, data, schedule: dict, start: int) -> str:
@@ -232,26 +164,3 @@ def epochs_note(train, recipe) -> Optional[str]:
     return (f"warning: SFT reads {asked:,} rows ({plural(t.train_iters, 'step')} × {t.global_batch_size}) of a set of "
             f"{plural(len(train), 'row')}: {epochs:.1f} epochs, every conversation about {epochs:.0f} times; add conversations "
             f"or lower --train-iters to repeat them less")
-
-
-def format_record(r: dict) -> str:
-    """A record's log line: its UTC time first (as Megatron-LM's iteration lines), then the step."""
-    parts = [f"{r['time_utc']} step {r['step']:>6}", f"k {r['k']}", f"loss {r['loss']:.4f}"]
-    if "z_loss" in r:
-        parts.append(f"z {r['z_loss']:.2e}")
-    if len(r["pass_losses"]) > 1:
-        parts.append("passes " + "/".join(f"{l:.4f}" for l in r["pass_losses"]))
-    if "k_share" in r:  # phase, then the share of steps so far per k
-        parts.append(f"phase {r['phase']} k% " + "/".join(f"{k}:{100 * v:.0f}" for k, v in r["k_share"].items()))
-    if r.get("state_deltas"):
-        parts.append("|Δs| " + "/".join(f"{d:.3f}" for d in r["state_deltas"]))
-    parts += [f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}" if r["grad_norm"] is not None else "grad -"]
-    parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
-    if "mfu" in r:
-        parts.append(f"MFU {100 * r['mfu']:.1f}%")
-    if peak(r) is not None:
-        parts.append(describe_memory(r))
-    valid = [r[k] for k in sorted(r) if k.startswith("valid_loss_fused")]
-    if valid:
-        parts.append("valid " + "/".join(f"{v:.4f}" for v in valid))
-    return " | ".join(parts)

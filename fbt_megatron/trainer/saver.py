@@ -24,7 +24,7 @@ from fbt_megatron.common.cli import plural
 from fbt_megatron.common.errors import RecipeError
 from fbt_megatron.recipe import Recipe
 from fbt_megatron.trainer import checkpointing
-from fbt_megatron.trainer.metrics import METRICS, read_metrics
+from fbt_megatron.trainer.callbacks.metrics_writer import METRICS, read_metrics
 from fbt_megatron.trainer.stopping import STATUS, stop_line, write_status
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ FLAGS = ["--recipe", "recipes/tiny_cpu.yaml", "--corpus", "null", "--seq-length"
 def recorder(save: Path):
     from fbt_megatron.trainer.callbacks.base import Callback
     from fbt_megatron.trainer.callbacks.heartbeat import read_heartbeat
-    from fbt_megatron.trainer.metrics import read_metrics
+    from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
     def heartbeat():
         beat = read_heartbeat(save)

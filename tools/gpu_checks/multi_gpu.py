@@ -43,7 +43,7 @@ def launch(cmd: list, log: Path, timeout: int, **extra_env) -> None:
 
 
 def losses(folder: Path) -> dict:
-    from fbt_megatron.trainer.metrics import read_metrics
+    from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
     return {r["step"]: r for r in read_metrics(folder)}
 

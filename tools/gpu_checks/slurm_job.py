@@ -60,7 +60,7 @@ def attempts(run: Path) -> list:
 
 
 def last_step(run: Path) -> int:
-    from fbt_megatron.trainer.metrics import read_metrics
+    from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 
     return max([r["step"] for r in read_metrics(run)], default=0)
 

@@ -97,7 +97,7 @@ the rehearsal's CI size (1 and 4 layers, vocabulary 2,048, 32 tokens, TP 1 and 2
   rank and cloning their slices, about 24 bytes a parameter (held-out runs, docs/planning.md).
 
 Checked against runs the CPU terms were not fitted on (docs/planning.md, held-out runs: other widths,
-depths, sequences, micro batches, k and optimizers): one process within 13%, planned low where
+depths, sequences, micro batches, k and optimizers): one process within 18%, planned low where
 activations dominate (what backward's allocator holds beyond them is not a term).
 """
 

@@ -3,8 +3,8 @@ starts when this machine cannot hold it: the training processes of this node × 
 process against the memory left to them (a GPU's own; on a CPU the host's available memory, or the
 job's cgroup limit when lower). A run past it is ended by the kernel's out-of-memory killer, which
 prints nothing in the run's log. The estimate is the planner's (``planner.make_plan``: its worst
-pipeline stage; a CPU process's terms without a GPU, within 15% of the measured RSS of one process,
-runs it was not fitted on included; a data-parallel save is not counted: docs/planning.md), a warning,
+pipeline stage; a CPU process's terms without a GPU, within 15% of the measured RSS of one process
+on the runs it was fitted on, 20% on others; a data-parallel save is not counted: docs/planning.md), a warning,
 not a refusal: the run may know better."""
 
 from __future__ import annotations

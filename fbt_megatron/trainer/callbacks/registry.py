@@ -8,6 +8,7 @@ from fbt_megatron.trainer.callbacks.base import Callback, Callbacks
 from fbt_megatron.trainer.callbacks.faults import Faults, NaNInjection
 from fbt_megatron.trainer.callbacks.heartbeat import Heartbeat
 from fbt_megatron.trainer.callbacks.memory import Memory
+from fbt_megatron.trainer.callbacks.metrics_writer import MetricsWriter
 from fbt_megatron.trainer.callbacks.spikes import Spikes
 from fbt_megatron.trainer.callbacks.stragglers import Stragglers
 from fbt_megatron.trainer.callbacks.timeline import Timeline
@@ -21,23 +22,26 @@ def callbacks_for(recipe, state, step, saver, rank: int, active: bool, ranks: Li
     its ``saver.Saver``; ``rank``: this process's; ``active``: this rank logs; ``ranks``: every
     rank's node; ``load_seconds``: what loading its checkpoint took), in the order every hook calls them:
 
-    1. injected faults (``--inject-fault``, ``--inject-nan``: ``faults``): at the step's start,
+    1. the training log's writer (``metrics_writer``: stdout, ``metrics.jsonl``, TensorBoard, the
+       logging rank): each record before any other callback sees it; the summary line first at the end;
+    2. injected faults (``--inject-fault``, ``--inject-nan``: ``faults``): at the step's start,
        inside its clock; a spiking or poisoned gradient before the update;
-    2. the largest rank's memory and the stragglers (``memory``, ``stragglers``: every rank, for a
+    3. the largest rank's memory and the stragglers (``memory``, ``stragglers``: every rank, for a
        logged step's record; the stragglers' line after the record's);
-    3. Weights & Biases (``--wandb-project``, the logging rank): each record after stdout,
+    4. Weights & Biases (``--wandb-project``, the logging rank): each record after stdout,
        ``metrics.jsonl`` and TensorBoard have it; its run finishes after the log's summary line;
-    4. the spike check (``--spike-policy`` other than off: ``spikes``, every rank, its state saved
+    5. the spike check (``--spike-policy`` other than off: ``spikes``, every rank, its state saved
        in each checkpoint): it vetoes a spiking step's update; a rewind after that step's record,
        before the save point, so the checkpoint saved next is of the rewound run;
-    5. the heartbeat and the timeline (``--save``, the logging rank): after the save point, so they
+    6. the heartbeat and the timeline (``--save``, the logging rank): after the save point, so they
        name the checkpoint just written; at the end, the step reached;
-    6. the hang watchdog (``--hang-timeout-minutes``): kicked last, so a step, its validation, its
+    7. the hang watchdog (``--hang-timeout-minutes``): kicked last, so a step, its validation, its
        checkpoint and the heartbeat all count in its timeout;
-    7. ``extra`` (``train``'s own argument), after the recipe's: they see what those did.
+    8. ``extra`` (``train``'s own argument), after the recipe's: they see what those did.
     """
     t, c, g = recipe.training, recipe.checkpoint, recipe.logging
-    out = []
+    out = [MetricsWriter(c.save, active=active, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
+                         resume_from=state.iteration)]
     if t.inject_fault:
         out.append(Faults(t.inject_fault, c.save, rank, step.model))
     if t.inject_nan:
