@@ -38,7 +38,7 @@ def test_callbacks_are_called_in_registration_order():
                 raise OSError("a")
 
     callbacks = Callbacks([Named("a"), Named("b")])
-    callbacks.save(None, None)
+    callbacks.save_point(SimpleNamespace(callbacks={}), None)
     try:
         callbacks.close()
     except OSError:

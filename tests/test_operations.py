@@ -23,6 +23,7 @@ import math
 import random
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,12 @@ import torch
 from forked import Signal, descendants, run_commands, survivors
 
 from fbt_megatron.commands import train
-from fbt_megatron.trainer import build, checkpointing, saver
+from fbt_megatron.trainer import build, checkpointing
+from fbt_megatron.trainer.callbacks import checkpointer
 from fbt_megatron.trainer.bad_steps import optimizer_step
 from fbt_megatron.trainer.callbacks.metrics_writer import read_metrics
 from fbt_megatron.common.processes import outside_group
+from fbt_megatron.trainer.stopping import StopCheck
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -262,6 +265,19 @@ def test_exit_duration_and_a_second_ctrl_c(runs):
     keys = ["k", "loss", "pass_losses", "grad_norm", "lr"]
     expected, got = read_metrics(tmp / "uninterrupted"), read_metrics(tmp / "ctrl_c")
     assert len(got) == KILL_ITERS and [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]
+
+
+def test_a_signal_or_the_time_budget_stops_a_run_before_its_exit_interval_does():
+    """The stop check's reason after a step (one process): --exit-interval every N-th step, unless a
+    signal or the time budget stops the run there, whose stop line and exit status name them."""
+    with StopCheck(None, handle_signals=False, started=time.monotonic(), exit_interval=3) as stop:
+        assert [stop.stop_reason(i) for i in (1, 2, 3, 6)] == [None, None, "exit_interval", "exit_interval"]
+        stop.signal = "SIGTERM"
+        assert [stop.stop_reason(i) for i in (2, 3)] == ["signal", "signal"]
+    with StopCheck(0.0, handle_signals=False, started=time.monotonic(), exit_interval=3) as stop:
+        assert [stop.stop_reason(i) for i in (1, 3)] == ["duration", "duration"]
+    with StopCheck(None, handle_signals=False, started=time.monotonic()) as stop:
+        assert stop.stop_reason(3) is None
 
 
 @pytest.mark.slow
@@ -605,7 +621,7 @@ def test_save_into_another_run_without_load_is_one_line_and_leaves_it(tmp_path):
     assert {p.name: p.read_bytes() if p.is_file() else None for p in folder.iterdir()} == before
 
     def check(*flags):
-        saver.check_save(train.parse_args(["--recipe", TINY, *map(str, flags)]))
+        checkpointer.check_save(train.parse_args(["--recipe", TINY, *map(str, flags)]))
 
     check("--save", folder, "--load", folder)
     check("--save", folder, "--overwrite-save")
@@ -627,3 +643,66 @@ def test_a_rank_that_lost_another_says_so_in_one_line(tmp_path):
     [line] = [line for line in text.splitlines() if line.startswith("error: ")]
     assert line.startswith("error: rank 0: the ranks' stop check lost another rank (") and "rank's own line" in line, line
     assert "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_that_lost_another_inside_the_step_says_so_in_one_line(small_corpus, tmp_path):
+    """Training, 2 ranks: rank 1 dies (``--inject-fault crash@2:1``: SIGKILL at the start of step 2, after
+    the step's stop check started its all-reduce), so rank 0 meets the loss inside the step, in the
+    gradient all-reduce (the stop check is read only after the step): one ``error:`` line naming a
+    collective and the lost connection (gloo's first line, less its source location), exit code 1, no
+    traceback (was: megatron-core's traceback ending in gloo's "Connection closed by peer" RuntimeError)."""
+    from forked import run_ranks
+
+    from fbt_megatron.common.errors import lost_a_peer
+
+    codes, log = [], tmp_path / "ranks.log"
+    data = ["--data-path", str(Path(small_corpus.train_prefix).parent), "--corpus", "null"]
+    run_ranks(["-m", "fbt_megatron.train", "--recipe", TINY, *data, *SMALL, "--eval-iters", "0", "--train-iters", "4",
+               "--inject-fault", "crash@2:1"], 2, log, timeout=300, each=codes)
+    text = log.read_text()
+    assert codes == [1, -signal.SIGKILL] or codes == [1, 128 + signal.SIGKILL], (codes, text[-3000:])
+    assert "--inject-fault crash@2:1: rank 1 dies (SIGKILL) at the start of step 2" in text, text[-3000:]
+    [line] = [line for line in text.splitlines() if line.startswith("error: ")]
+    said = re.fullmatch(r"error: rank 0: a collective lost another rank \((.+)\): that rank's own line says why it ended", line)
+    assert said and lost_a_peer(RuntimeError(said[1])) and not said[1].startswith("["), line
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_only_a_collective_that_lost_a_rank_ends_in_one_line(monkeypatch):
+    """``errors.lost_a_peer`` tells gloo's and NCCL's errors of a lost rank from the others, and
+    ``errors.peer_lost`` quotes their first line less gloo's source location; ``run_cli`` lets every
+    other RuntimeError (this rank's own NCCL error, a plain one) raise with its traceback, also while
+    a process group exists."""
+    from torch.distributed import DistBackendError
+
+    from fbt_megatron.common import cli
+    from fbt_megatron.common.errors import lost_a_peer, peer_lost
+
+    lost = {"[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234. This is "
+            "typically caused by a remote worker crashing. Check the logs of the remote worker": "Connection closed by peer "
+            "[127.0.0.1]:1234",
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:48602: Connection reset by peer":
+            "Read error [127.0.0.1]:48602: Connection reset by peer",
+            "NCCL communicator was aborted on rank 0. Original reason for failure was: ...": "NCCL communicator was aborted "
+            "on rank 0"}
+    for message, said in lost.items():
+        for error in (RuntimeError(message), DistBackendError(message)):
+            assert lost_a_peer(error), error
+            assert str(peer_lost(3, "a collective", error)) == (f"rank 3: a collective lost another rank ({said}): "
+                                                                 "that rank's own line says why it ended")
+    assert lost_a_peer(DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a "
+                                        "network error, NCCL version 2.21.5\nncclRemoteError: A call failed"))
+
+    monkeypatch.setattr(cli, "_process_group", lambda: True)  # as in a run's rank: a process group exists
+    for error in (RuntimeError("boom"), DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error "
+                                                         "(run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5"),
+                  RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
+                               "for recv operation to complete")):
+        def fail(error=error):
+            raise error
+
+        assert not lost_a_peer(error)
+        with pytest.raises(type(error)) as raised:
+            cli.run_cli(fail)
+        assert raised.value is error

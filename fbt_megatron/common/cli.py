@@ -11,7 +11,7 @@ import warnings
 from typing import Callable, NoReturn
 
 from fbt_megatron.common import logs
-from fbt_megatron.common.errors import PeerLostError
+from fbt_megatron.common.errors import PeerLostError, lost_a_peer, peer_lost
 from fbt_megatron.common.folders import STORAGE_ERRNOS, unwritable
 
 log = logging.getLogger(__name__)
@@ -41,23 +41,35 @@ def run_cli(main: Callable[[], int | None]) -> NoReturn:
     stderr and exit code 2, without a traceback; so does an OSError of the environment that no
     caller said better (``STORAGE_ERRNOS``: a full disk, a read-only file system). Under
     torchrun/srun every rank finds the same bad input; only rank 0 says so. A rank that lost
-    another (``PeerLostError``) says so in one line, exit code 1. A process group that was there
-    before (a caller's) is left as it is."""
+    another says so in one line, exit code 1: a ``PeerLostError`` (the ranks' stop check), or a
+    torch.distributed collective's error that found another rank gone (``errors.lost_a_peer``:
+    gloo's "Connection closed by peer", NCCL's aborted communicator; in the gradient all-reduce,
+    a pipeline send) while a process group exists; any other error keeps its traceback. A process
+    group that was there before (a caller's) is left as it is."""
     started_here = not _process_group()
     try:
         code = main()
     except PeerLostError as e:  # another rank ended first: its line says why; this one's group is broken
-        log.error(f"error: {' '.join(str(e).split())}", extra=logs.EVERY_RANK)
-        sys.exit(1)
+        _peer_lost(e)
     except (ValueError, FileNotFoundError) as e:
         _bad_input(str(e))
     except OSError as e:
         if e.errno not in STORAGE_ERRNOS:
             raise
         _bad_input(_storage_message(e))
+    except RuntimeError as e:  # a collective's (gloo's RuntimeError, torch's DistBackendError)
+        if not (_process_group() and lost_a_peer(e)):
+            raise
+        _peer_lost(peer_lost(sys.modules["torch.distributed"].get_rank(), "a collective", e))
     if started_here and _process_group():
         sys.modules["torch.distributed"].destroy_process_group()
     sys.exit(code)
+
+
+def _peer_lost(e: PeerLostError) -> NoReturn:
+    """End with ``error: <message>`` on one line (every rank that lost another says it) and exit code 1."""
+    log.error(f"error: {' '.join(str(e).split())}", extra=logs.EVERY_RANK)
+    sys.exit(1)
 
 
 def _bad_input(message: str) -> NoReturn:

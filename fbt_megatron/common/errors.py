@@ -2,9 +2,12 @@
 
 Each is a ValueError, so a command-line tool ends on it with one ``error: <message>`` line and exit
 code 2, without a traceback (``cli.run_cli``). The message names the offending thing and the fix.
-``PeerLostError`` is the one that is not bad input: one line too, exit code 1.
-This module imports nothing: every layer may raise them.
+``PeerLostError`` is the one that is not bad input: one line too, exit code 1 (``peer_lost``
+makes it from a collective's error, ``lost_a_peer`` recognises one).
+This module imports nothing of the project (only ``re``): every layer may raise them.
 """
+
+import re
 
 
 class RecipeError(ValueError):
@@ -50,3 +53,28 @@ class PeerLostError(RuntimeError):
     """Another rank of the run ended while this one waited for it (its connection closed): the cause
     is that rank's, and its own line says what it was. This rank ends with one line, exit code 1 (a
     crash: a job may retry it), not the library's traceback (``cli.run_cli``)."""
+
+
+# A collective's error when another rank's process ended (killed, OOM, crashed): gloo's "Connection closed by
+# peer" / "Connection reset by peer" / "Broken pipe" (a read or write on the dead rank's socket); NCCL's
+# "NCCL communicator was aborted on rank R" (also after a collective's timeout: a rank that never came) and
+# ncclRemoteError ("remote process exited or there was a network error"; its socket's "Connection closed by
+# remote peer"). Not an error of this rank's own (NCCL's "unhandled cuda error"): that stays the library's.
+_LOST_PEER = re.compile(r"connection (closed|reset) by (remote )?peer|broken pipe|communicator was aborted|"
+                        r"ncclRemoteError|remote process exited", re.IGNORECASE)
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's (torch.distributed: gloo's ``RuntimeError``, a
+    ``DistBackendError``) that found another rank gone (``_LOST_PEER``)."""
+    return isinstance(error, RuntimeError) and bool(_LOST_PEER.search(str(error)))
+
+
+def peer_lost(rank: int, what: str, error: BaseException) -> PeerLostError:
+    """The ``PeerLostError`` of rank ``rank`` whose ``what`` ("a collective", "the ranks' stop check")
+    lost another rank with ``error``: its message quotes the library's first line, less gloo's source
+    location ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] ") and what follows its first
+    sentence (gloo's "This is typically caused by a remote worker crashing. ...")."""
+    first = (str(error).splitlines() or [""])[0]
+    said = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0] or type(error).__name__
+    return PeerLostError(f"rank {rank}: {what} lost another rank ({said}): that rank's own line says why it ended")

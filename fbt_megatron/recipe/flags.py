@@ -5,11 +5,13 @@ Descriptions are the field docstrings of the recipe sections (``fbt_megatron.rec
 ``FBTConfig`` / megatron-core's ``TransformerConfig``: one source of truth (the model's read from
 ``model_fields``, a table generated from them and checked against them, for the megatron-core it
 was written from; another release's fields are read from the dataclass, torch loading). Parsing
-then imports neither torch nor megatron-core; ``--help`` shows the model's defaults from that table
-for a recipe that names only a preset, from the model's config otherwise. ``--help`` shows the groups a run is made
-of; megatron-core's other ``TransformerConfig`` fields are accepted as flags too and listed by
-``--help-all``. Mistakes are one line: an unknown flag names the closest valid one, abbreviations
-are refused, and a value may be a negative number (``--lr -1e-3`` reaches the recipe's own check).
+then imports neither torch nor megatron-core, and neither does ``--help`` (with or without a recipe):
+a model field's default shown is the value the recipe gives it (its override, else its preset's,
+from that table), not what the config derives from it (``depth_scale``: null, meaning 1/√(2L)).
+``--help`` shows the groups a run is made of; megatron-core's other ``TransformerConfig`` fields are
+accepted as flags too and listed by ``--help-all``. Mistakes are one line: an unknown flag names
+the closest valid one, abbreviations are refused, and a value may be a negative number (``--lr
+-1e-3`` reaches the recipe's own check).
 """
 
 from __future__ import annotations
@@ -132,19 +134,27 @@ class FlagParser(argparse.ArgumentParser):
         raise RecipeError(f"{message} (see --help)")
 
 
-def _model_values(recipe: Recipe, names) -> dict:
-    """The model's value of each field in ``names``: the table's (``model_fields``, no torch) for a
-    recipe that names only a preset and fields --help shows, else the config's (megatron-core)."""
-    table = PRESET_VALUES.get(recipe.model.preset, {}) if table_is_current() else {}
-    if not recipe.model_overrides and set(names) <= table.keys():
-        return table
-    from fbt_megatron.model.config import recipe_config
+def given_model_values(preset: str, overrides: dict, names) -> dict:
+    """The value a recipe of ``preset`` and model ``overrides`` gives each field in ``names``: its
+    override, else the preset's (``preset_fields``), else FBTConfig's default; not what the config's
+    ``__post_init__`` derives from it (``depth_scale`` None stays None). Imports megatron-core."""
+    from fbt_megatron.model.config import field_default, preset_fields
 
     try:
-        config = recipe_config(recipe)
-    except (ValueError, TypeError) as e:
+        given = preset_fields(preset, **overrides)
+    except ValueError as e:
         raise RecipeError(f"model: {e}") from None
-    return {name: getattr(config, name) for name in names}
+    return {name: given[name] if name in given else field_default(name) for name in names}
+
+
+def _model_values(recipe: Recipe, names) -> dict:
+    """The value ``recipe`` gives each model field in ``names`` (``given_model_values``), the
+    defaults --help shows: from the table (``model_fields``, no torch) where it is current and has
+    the preset and ``names``, else from the model's config module (megatron-core; --help-all)."""
+    table = PRESET_VALUES.get(recipe.model.preset, {}) if table_is_current() else {}
+    if set(names) <= table.keys():
+        return {name: recipe.model_overrides.get(name, table[name]) for name in names}
+    return given_model_values(recipe.model.preset, recipe.model_overrides, names)
 
 
 def _model_docs() -> dict:

@@ -2,23 +2,23 @@
 
 Set up: where the run starts (``stages``), its learning-rate curve (``optimizers.schedule``), the
 process groups, the data (prepared by the entry point, loaded here: ``data``), the model and
-optimizer (``build``); every rank's node is recorded (``ranks``: ``<save>/ranks.json``).
-The recipe then says which callbacks the run has, in their order
+optimizer (``build``), the step (``step.TrainStep``); every rank's node is recorded (``ranks``:
+``<save>/ranks.json``). The recipe then says which callbacks the run has, in their order
 (``callbacks.registry.callbacks_for``; the protocol: ``callbacks.base``). Then every step, top to
-bottom: pick k for this step (the pass schedule, ``passes``) → one step (``step.TrainStep``: the
-callbacks' ``on_step_start`` once its clock runs, e.g. an injected fault; megatron-core's
-forward-backward schedule over the microbatches, each doing k passes; gradients reduced by DDP; the
-callbacks' ``pre_optim_step``; the optimizer step unless the norm is NaN/Inf or a callback vetoes it,
-``vetoes_update``: a loss spike, ``callbacks.spikes``; the learning-rate step) → advance the state →
-validate when due (``intervals``) → the callbacks' ``post_step`` on every rank (at a logged step
-the largest rank's memory and the stragglers, for the record) → record and log
-(``metrics.TrainingLog``: time, losses, throughput, the validation and those fields) → ``on_step_end`` with that
-record (the stragglers' line; W&B; after a loss spike, the rewind) → the stop check (``stopping``) → save, the callbacks'
-states with the checkpoint, and decide whether to exit (``saver.Saver``) → ``on_save`` (the
-heartbeat, naming that save; the hang watchdog's kick: ``callbacks.watchdog``). A resumed run's
-callbacks get their saved states back before ``on_start``. After the last step ``on_stop``; an
-exception reaches ``on_failure`` first, then goes on; the log's summary line, then every callback's
-``close``.
+bottom: pick k for this step (the pass schedule, ``passes``) → the step (``step.TrainStep``:
+forward-backward over the microbatches, each doing k passes, and the optimizer step; the callbacks
+come in at its start, before the update and with a veto on it) → advance the state → validate when
+due (``intervals``, ``TrainStep.evaluate``) → the callbacks' ``post_step`` on every rank (at a logged
+step the largest rank's memory and the stragglers, for the record) → record (``metrics.TrainingLog``:
+time, losses, throughput, the validation and those fields) → ``on_step_end`` with that record (its
+writer first: stdout, ``metrics.jsonl``, TensorBoard; the stragglers' line; W&B; after a loss spike,
+the rewind) → the stop check (``stopping``: a signal, the time budget, ``--exit-interval``) → the
+save point (``Callbacks.save_point``: the callbacks' states with the checkpoint the checkpointer
+writes when due or stopping, ``callbacks.checkpointer``; then ``on_save``: the heartbeat naming it,
+the hang watchdog's kick). A resumed run's callbacks get their saved states back before
+``on_start``. After the last step ``on_stop`` (the exit status); an exception reaches
+``on_failure`` first, then goes on; always every callback's ``close`` (the log's summary line, W&B's
+last lines, then the checkpointer's: what saving cost, a stopped run's line).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from fbt_megatron.recipe import Recipe
 from fbt_megatron.trainer import checkpointing, stages
 from fbt_megatron.trainer.build import build_model, build_optimizer
 from fbt_megatron.trainer.callbacks.base import Callback
+from fbt_megatron.trainer.callbacks.checkpointer import check_save
 from fbt_megatron.trainer.ranks import record_ranks
 from fbt_megatron.trainer.callbacks.registry import callbacks_for
 from fbt_megatron.trainer.callbacks.watchdog import arm_flight_recorder, collective_timeout_s
@@ -45,8 +46,7 @@ from fbt_megatron.trainer.data import build_data
 from fbt_megatron.trainer.intervals import validation_due
 from fbt_megatron.trainer.metrics import TrainingLog, epochs_note, header, validation_note
 from fbt_megatron.trainer.passes import pass_schedule
-from fbt_megatron.trainer.saver import Saver, check_save
-from fbt_megatron.trainer.step import TrainStep, evaluate
+from fbt_megatron.trainer.step import TrainStep
 from fbt_megatron.trainer.stopping import StopCheck
 
 log = logging.getLogger(__name__)
@@ -76,35 +76,30 @@ def train(recipe: Recipe, callbacks: Sequence[Callback] = ()) -> List[dict]:
     is_logger = logs.is_logging_rank()  # the last rank (its pipeline stage has the losses): its lines, metrics, TensorBoard
     training_log = TrainingLog(recipe, config, passes, state)
     step = TrainStep(recipe, model, ddp, optimizer, scheduler, data.train, schedule, state.skipped_steps)
-    saver = Saver(recipe, model, optimizer, scheduler, state)
-    callbacks = callbacks_for(recipe, state, step, saver, dist.get_rank(), active=is_logger, ranks=ranks,
-                              load_seconds=origin.load_seconds if origin else 0.0, extra=callbacks)
     notes = [origin and origin.note, *notes, validation_note(data.valid, recipe), epochs_note(data.train, recipe)]
     log.info("\n".join([header(recipe, model, vocab, data, schedule, state.iteration), *filter(None, notes)]))
-    stop = StopCheck(t.exit_duration_in_mins, t.exit_signal_handler, began)  # signals and the time budget
-    try:
-        callbacks.start(state)
-        while state.iteration < t.train_iters:
-            k, validate = passes(state.iteration), validation_due(recipe, state.iteration + 1)
-            stop.start_step()  # the ranks agree on stopping while the step computes
-            result = step(state, k, callbacks)
-            state.advance(k, t.global_batch_size, t.global_batch_size * recipe.data.seq_length, step.bad.skipped)
-            valid = evaluate(recipe, config, ddp, data.valid) if validate else {}
-            fields = {**valid, **callbacks.post_step(state, result)}  # every rank: at a logged step, collectives
-            callbacks.step_end(state, training_log.end_step(state, k, result, fields))
-            exiting = saver.save_and_decide_exit(state, stop.stop_reason(), step.bad, callbacks)
-            callbacks.save(state, saver.last)
-            if exiting:
-                break
-        saver.wait()
-        callbacks.stop(state, saver.ending or "finished")
-    except BaseException as error:
-        callbacks.failure(state, error)
-        raise
-    finally:
-        stop.close()
-        callbacks.close()  # the log's summary line first (its writer's), W&B's last lines after it
-    saver.finish(state, stop, callbacks)
+    with StopCheck(t.exit_duration_in_mins, t.exit_signal_handler, began, t.exit_interval) as stop:
+        callbacks = callbacks_for(recipe, state, step, stop, dist.get_rank(), active=is_logger, ranks=ranks,
+                                  load_seconds=origin.load_seconds if origin else 0.0, extra=callbacks)
+        try:
+            callbacks.start(state)
+            stopping = None
+            while state.iteration < t.train_iters and not stopping:
+                k, validate = passes(state.iteration), validation_due(recipe, state.iteration + 1)
+                stop.start_step()  # the ranks agree on stopping while the step computes
+                result = step(state, k, callbacks)
+                state.advance(k, t.global_batch_size, t.global_batch_size * recipe.data.seq_length, step.bad.skipped)
+                valid = step.evaluate(data.valid) if validate else {}
+                fields = {**valid, **callbacks.post_step(state, result)}  # every rank: at a logged step, collectives
+                callbacks.step_end(state, training_log.end_step(state, k, result, fields))
+                stopping = stop.stop_reason(state.iteration)  # a signal, the time budget, --exit-interval; None: go on
+                callbacks.save_point(state, stopping)  # the checkpointer saves when due (always when stopping)
+            callbacks.stop(state, stopping or "finished")
+        except BaseException as error:
+            callbacks.failure(state, error)
+            raise
+        finally:
+            callbacks.close()  # the log's summary line first (its writer's), W&B's last lines, the checkpointer's
     return training_log.records
 
 

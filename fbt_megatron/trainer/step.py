@@ -13,7 +13,7 @@ NaN/Inf gradient norm (``bad_steps.optimizer_step``) or when a callback vetoes t
 bad-step record. The step times itself: its whole time and this rank's
 own part, up to the gradient reduction (``callbacks.stragglers.StepClock``). A logged step
 (``intervals.logged``) measures the state deltas too and averages its report over the
-data-parallel ranks (``data_parallel_mean``: floats, for the log). ``evaluate`` runs the
+data-parallel ranks (``data_parallel_mean``: floats, for the log). ``TrainStep.evaluate`` runs the
 validation batches forward only, after 0, 1, …, n fused passes, when due (``intervals``).
 """
 
@@ -106,24 +106,6 @@ def data_parallel_mean(report: dict) -> dict:
     return out
 
 
-def evaluate(recipe: Recipe, config, ddp, valid) -> dict:
-    """Validation loss after 0, 1, …, n fused prefill passes (eval mode: no prefix mixin, no jitter)."""
-    n = recipe.training.fused_prefill_passes if config.latent_feedback else 0
-    ddp.eval()
-    losses = []
-    with torch.no_grad():
-        for i in range(recipe.training.eval_iters):
-            first = i * recipe.training.global_batch_size
-            report = run_schedule(recipe, ddp, valid, first, n + 1, forward_only=True)
-            if report:  # the last pipeline stage
-                losses.append(data_parallel_mean(report)["pass_losses"])
-    ddp.train()
-    if not losses:
-        return {}
-    mean = torch.tensor(losses).mean(0).tolist()
-    return {f"valid_loss_fused{j}": v for j, v in enumerate(mean)}
-
-
 # ---------------------------------------------------------------- the step
 @dataclass
 class StepResult:
@@ -177,3 +159,21 @@ class TrainStep:
         seconds = self.clock.stop()
         report = data_parallel_mean(report) if report and logged else report  # (after the clock: the log's work)
         return StepResult(report, grad_norm, self.scheduler.get_lr(self.optimizer.param_groups[0]), norms, *seconds, logged)
+
+    def evaluate(self, valid) -> dict:
+        """Validation loss on ``valid`` after 0, 1, …, n fused prefill passes (eval mode: no prefix
+        mixin, no jitter); {} before the last pipeline stage."""
+        t = self.recipe.training
+        n = t.fused_prefill_passes if self.model.config.latent_feedback else 0
+        self.ddp.eval()
+        losses = []
+        with torch.no_grad():
+            for i in range(t.eval_iters):
+                report = run_schedule(self.recipe, self.ddp, valid, i * t.global_batch_size, n + 1, forward_only=True)
+                if report:  # the last pipeline stage
+                    losses.append(data_parallel_mean(report)["pass_losses"])
+        self.ddp.train()
+        if not losses:
+            return {}
+        mean = torch.tensor(losses).mean(0).tolist()
+        return {f"valid_loss_fused{j}": v for j, v in enumerate(mean)}

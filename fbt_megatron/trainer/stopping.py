@@ -5,7 +5,8 @@ before the time limit, ``scontrol requeue``, ``kill`` and Ctrl-C (torchrun forwa
 and QUIT to its workers). ``--exit-duration-in-mins M`` raises the same flag once M minutes have
 passed since ``train()`` started. At the next step boundary every rank stops together: the run
 saves a checkpoint (with ``--save``) and exits 0 with one line naming the checkpoint; ``--load``
-resumes it exactly. A second Ctrl-C aborts at once (exit 130, nothing saved); so does a SIGTERM
+resumes it exactly. ``--exit-interval N`` ends the run the same way after every N-th step, with no
+line (exit status ``exit_interval``). A second Ctrl-C aborts at once (exit 130, nothing saved); so does a SIGTERM
 after a Ctrl-C, which is how torchrun passes a second Ctrl-C on (a second SIGTERM does not abort:
 Slurm and a forwarding torchrun may both send one).
 
@@ -54,7 +55,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from fbt_megatron.common import logs, platform
 from fbt_megatron.common.cli import AGENT, BAD_INPUT_SIGNAL
-from fbt_megatron.common.errors import PeerLostError
+from fbt_megatron.common.errors import peer_lost
 from fbt_megatron.common.io import atomic_write
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,12 @@ os.register_at_fork(after_in_child=_forked)
 
 class StopCheck:
     """The stop decision of every step boundary, the same on every rank (see the module docstring).
-    ``start_step()`` before a step's work, ``stop_reason()`` after it: None, "signal" or "duration"."""
+    ``start_step()`` before a step's work, ``stop_reason(iteration)`` after it: None, "signal",
+    "duration" or, every ``exit_interval`` steps, "exit_interval". A context manager: ``close`` on exit."""
 
-    def __init__(self, exit_duration_in_mins: Optional[float], handle_signals: bool, started: float):
-        self.started = started  # time.monotonic() when train() started
+    def __init__(self, exit_duration_in_mins: Optional[float], handle_signals: bool, started: float,
+                 exit_interval: Optional[int] = None):
+        self.started, self.exit_interval = started, exit_interval  # time.monotonic() when train() started
         self.budget_s = None if exit_duration_in_mins is None else 60.0 * exit_duration_in_mins
         self.signal: Optional[str] = None  # the first signal received (on this rank; after a stop: on any rank)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -148,7 +150,14 @@ class StopCheck:
         if self.world > 1:
             self.pending = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
-    def stop_reason(self) -> Optional[str]:
+    def __enter__(self) -> "StopCheck":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stop_reason(self, iteration: int) -> Optional[str]:
+        """Why the run stops after step ``iteration``, the same on every rank; None: it goes on."""
         if self.world == 1:  # nothing to agree on: the flags as they are now
             self.start_step()
         pending, self.pending = self.pending, None
@@ -156,13 +165,13 @@ class StopCheck:
             try:
                 pending.wait()
             except RuntimeError as e:  # gloo: "Connection closed by peer"; NCCL: the communicator aborted
-                said = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0]  # less gloo's source location
-                raise PeerLostError(f"rank {dist.get_rank()}: the ranks' stop check lost another rank ({said}): "
-                                    "that rank's own line says why it ended") from None
+                raise peer_lost(dist.get_rank(), "the ranks' stop check", e) from None
         signalled, overtime = (int(x) for x in self.flags.tolist())
         if signalled:
             self.signal = signal.Signals(signalled).name
-        return "signal" if signalled else "duration" if overtime else None
+        if signalled or overtime:
+            return "signal" if signalled else "duration"
+        return "exit_interval" if self.exit_interval and iteration % self.exit_interval == 0 else None
 
     def _overtime(self) -> bool:
         return self.budget_s is not None and time.monotonic() - self.started >= self.budget_s

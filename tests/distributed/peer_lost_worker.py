@@ -27,7 +27,7 @@ def stop_check():
         os.kill(os.getpid(), signal.SIGKILL)
     try:
         stop.start_step()
-        return stop.stop_reason()
+        return stop.stop_reason(1)
     finally:
         stop.close()
 

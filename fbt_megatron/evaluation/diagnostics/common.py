@@ -113,7 +113,7 @@ def passes(model, microbatch: dict, num_passes: int) -> Iterator[Tuple[int, torc
 
 
 def training_mean(per_batch: Sequence[Sequence[torch.Tensor]]) -> List[float]:
-    """Training's average (``step.evaluate``): per group the mean over its microbatches of their
+    """Training's average (``step.TrainStep.evaluate``): per group the mean over its microbatches of their
     [k] values, then the mean over groups, in the same float32 operations."""
     means = [torch.stack(list(batch)).float().mean(0).tolist() for batch in per_batch]
     return torch.tensor(means).mean(0).tolist()

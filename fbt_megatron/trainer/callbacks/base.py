@@ -22,10 +22,15 @@
 * ``on_step_end(state, record)``: after the step and its validation; ``record``: the step's log
   record, already on stdout, in ``metrics.jsonl`` and TensorBoard (``metrics.TrainingLog``), or
   None (not a logged step, or not the logging rank).
-* ``on_save(state, checkpoint)``: after the step's save point, whether or not it saved
-  (``checkpoint``: the run's newest checkpoint folder, that step's own when it saved; None: none).
-* ``on_stop(state, reason)``: the loop ended without an error, its checkpoints written; ``reason``:
-  "finished", "exit_interval", "signal" or "duration" (``saver``).
+* ``save_checkpoint(state, stopping) -> Path | None``: the step's save point (``stopping``: why
+  the run stops after this step, "signal", "duration" or "exit_interval", or None), every callback's
+  state already in ``state.callbacks``: a checkpointer writes one when due and returns the run's
+  newest checkpoint folder (``checkpointer``); the others return None.
+* ``on_save(state, checkpoint)``: after the save point, whether or not it saved (``checkpoint``:
+  the run's newest checkpoint folder, that step's own when it saved; None: none).
+* ``on_stop(state, reason)``: the loop ended without an error; ``reason``: "finished",
+  "exit_interval", "signal" or "duration" (``stopping``). The checkpointer comes first among
+  those that look at the checkpoints: its background writes are complete for them.
 * ``on_failure(state, error)``: an exception is leaving the loop (it is raised again afterwards).
 * ``close()``: always, last (after the log's summary line), in registration order.
 
@@ -40,6 +45,7 @@ resumed run, so a resumed run's callbacks decide as the uninterrupted run's.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 
@@ -72,6 +78,9 @@ class Callback:
 
     def on_step_end(self, state, record: Optional[dict]) -> None:
         pass
+
+    def save_checkpoint(self, state, stopping: Optional[str]) -> Optional[Path]:
+        return None
 
     def on_save(self, state, checkpoint) -> None:
         pass
@@ -130,9 +139,15 @@ class Callbacks:
         for callback in self.callbacks:
             callback.on_step_end(state, record)
 
-    def save(self, state, checkpoint) -> None:
+    def save_point(self, state, stopping: Optional[str]) -> None:
+        """The step's save point: every callback's state into ``state.callbacks`` (saved with the
+        checkpoint), each callback's ``save_checkpoint``, then ``on_save`` with the newest checkpoint."""
+        state.callbacks = self.state_dict()
+        newest = None
         for callback in self.callbacks:
-            callback.on_save(state, checkpoint)
+            newest = callback.save_checkpoint(state, stopping) or newest
+        for callback in self.callbacks:
+            callback.on_save(state, newest)
 
     def stop(self, state, reason: str) -> None:
         for callback in self.callbacks:

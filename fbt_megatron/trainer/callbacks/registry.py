@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List, Sequence
 
 from fbt_megatron.trainer.callbacks.base import Callback, Callbacks
+from fbt_megatron.trainer.callbacks.checkpointer import Checkpointer
 from fbt_megatron.trainer.callbacks.faults import Faults, NaNInjection
 from fbt_megatron.trainer.callbacks.heartbeat import Heartbeat
 from fbt_megatron.trainer.callbacks.memory import Memory
@@ -16,11 +17,12 @@ from fbt_megatron.trainer.callbacks.wandb_writer import WandbWriter
 from fbt_megatron.trainer.callbacks.watchdog import Watchdog
 
 
-def callbacks_for(recipe, state, step, saver, rank: int, active: bool, ranks: List[dict], load_seconds: float,
+def callbacks_for(recipe, state, step, stop, rank: int, active: bool, ranks: List[dict], load_seconds: float,
                   extra: Sequence[Callback] = ()) -> Callbacks:
-    """The run's callbacks (``state``: where it starts; ``step``: its ``step.TrainStep``; ``saver``:
-    its ``saver.Saver``; ``rank``: this process's; ``active``: this rank logs; ``ranks``: every
-    rank's node; ``load_seconds``: what loading its checkpoint took), in the order every hook calls them:
+    """The run's callbacks (``state``: where it starts; ``step``: its ``step.TrainStep``; ``stop``:
+    its ``stopping.StopCheck``; ``rank``: this process's; ``active``: this rank logs; ``ranks``:
+    every rank's node; ``load_seconds``: what loading its checkpoint took), in the order every hook
+    calls them:
 
     1. the training log's writer (``metrics_writer``: stdout, ``metrics.jsonl``, TensorBoard, the
        logging rank): each record before any other callback sees it; the summary line first at the end;
@@ -33,13 +35,17 @@ def callbacks_for(recipe, state, step, saver, rank: int, active: bool, ranks: Li
     5. the spike check (``--spike-policy`` other than off: ``spikes``, every rank, its state saved
        in each checkpoint): it vetoes a spiking step's update; a rewind after that step's record,
        before the save point, so the checkpoint saved next is of the rewound run;
-    6. the heartbeat and the timeline (``--save``, the logging rank): after the save point, so they
+    6. the checkpointer (every rank: ``checkpointer``): the save point; at the end its background
+       writes complete and the exit status written before the callbacks after it look, its lines
+       after the summary and W&B's;
+    7. the heartbeat and the timeline (``--save``, the logging rank): after the save point, so they
        name the checkpoint just written; at the end, the step reached;
-    7. the hang watchdog (``--hang-timeout-minutes``): kicked last, so a step, its validation, its
+    8. the hang watchdog (``--hang-timeout-minutes``): kicked last, so a step, its validation, its
        checkpoint and the heartbeat all count in its timeout;
-    8. ``extra`` (``train``'s own argument), after the recipe's: they see what those did.
+    9. ``extra`` (``train``'s own argument), after the recipe's: they see what those did.
     """
     t, c, g = recipe.training, recipe.checkpoint, recipe.logging
+    checkpointer = Checkpointer(recipe, step, state, stop)
     out = [MetricsWriter(c.save, active=active, tensorboard=g.tensorboard, tensorboard_dir=g.tensorboard_dir,
                          resume_from=state.iteration)]
     if t.inject_fault:
@@ -50,9 +56,10 @@ def callbacks_for(recipe, state, step, saver, rank: int, active: bool, ranks: Li
     if g.wandb_project and active:
         out.append(WandbWriter(recipe))
     if t.spike_policy != "off":
-        out.append(Spikes(t, c.save, rewind_with=(step, saver)))
+        out.append(Spikes(t, c.save, rewind_with=(step, checkpointer)))
+    out.append(checkpointer)
     if c.save and active:
-        out += [Heartbeat(c.save, g.heartbeat_interval, t.train_iters), Timeline(c.save, saver, ranks, load_seconds)]
+        out += [Heartbeat(c.save, g.heartbeat_interval, t.train_iters), Timeline(c.save, checkpointer, ranks, load_seconds)]
     if t.hang_timeout_minutes:
         out.append(Watchdog(t.hang_timeout_minutes, c.save, state.iteration, t.train_iters))
     return Callbacks([*out, *extra])

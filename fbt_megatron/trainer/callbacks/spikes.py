@@ -38,7 +38,7 @@ class Spikes(Callback):
     section; ``save``: the run's checkpoint folder). Its state (the window of norms, the spikes and
     rewinds counted) is saved in every checkpoint under ``spikes``: a resumed run decides as an
     uninterrupted one. ``rewind_with``: what ``--spike-policy rewind`` reloads (the step,
-    ``step.TrainStep``: model, optimizer, scheduler, bad steps; the run's ``saver.Saver``)."""
+    ``step.TrainStep``: model, optimizer, scheduler, bad steps; the run's ``checkpointer.Checkpointer``)."""
 
     name = "spikes"
 
@@ -82,9 +82,9 @@ class Spikes(Callback):
     def rewind(self, state) -> None:
         """After the vetoed step (``state`` at its iteration): back to the last checkpoint before it,
         in place, the batches since skipped; else (no checkpoint, no rewinds left) the step stays skipped."""
-        step, saver = self.rewind_with
+        step, checkpointer = self.rewind_with
         self.rewind_due = False
-        saver.wait()  # a checkpoint written in the background is complete (or not there)
+        checkpointer.wait()  # a checkpoint written in the background is complete (or not there)
         before = [i for i in checkpointing.iterations(self.save) if i < state.iteration] if self.save else []
         newest = before[-1] if before else None  # (a run resumed from an earlier checkpoint may have later ones)
         if newest is None or self.rewinds >= self.max_rewinds:

@@ -34,12 +34,12 @@ TIMELINE = "timeline.jsonl"
 
 class Timeline(Callback):
     """The run's events in ``<save>/timeline.jsonl`` (module docstring): its start (``ranks``: every
-    rank's node, ``load_seconds``: what loading its checkpoint took), each checkpoint ``saver`` writes,
+    rank's node, ``load_seconds``: what loading its checkpoint took), each checkpoint ``checkpointer`` writes,
     its end."""
 
-    def __init__(self, save: str, saver, ranks: List[dict], load_seconds: float):
-        self.path, self.saver, self.ranks, self.load_seconds = Path(save) / TIMELINE, saver, ranks, load_seconds
-        self.saves, self.save_time = saver.saves, saver.save_time
+    def __init__(self, save: str, checkpointer, ranks: List[dict], load_seconds: float):
+        self.path, self.checkpointer, self.ranks, self.load_seconds = Path(save) / TIMELINE, checkpointer, ranks, load_seconds
+        self.saves, self.save_time = checkpointer.saves, checkpointer.save_time
 
     def record(self, event: str, **fields) -> None:
         append_synced(self.path, json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
@@ -59,9 +59,10 @@ class Timeline(Callback):
             append_line(self.path, json.dumps({**event, **({"straggler": round(slowest, 3)} if slowest else {})}) + "\n")
 
     def on_save(self, state, checkpoint: Optional[Path]) -> None:
-        if self.saver.saves > self.saves:
-            self.record("save", step=state.iteration, seconds=round(self.saver.save_time - self.save_time, 3))
-            self.saves, self.save_time = self.saver.saves, self.saver.save_time
+        written = self.checkpointer
+        if written.saves > self.saves:
+            self.record("save", step=state.iteration, seconds=round(written.save_time - self.save_time, 3))
+            self.saves, self.save_time = written.saves, written.save_time
 
     def on_stop(self, state, reason: str) -> None:
         self.record("end", step=state.iteration, reason=reason)

@@ -28,21 +28,23 @@ RUN_ID = "wandb_run_id"
 
 
 class WandbWriter(Callback):
-    """One W&B run of this process's log (the logging rank's), a callback of the loop: each
-    record's TensorBoard scalars once the log has written it (``on_step_end``), the run finished
-    after the log's summary line (``close``)."""
+    """One W&B run of this process's log (the logging rank's), a callback of the loop: the run
+    started (or resumed) with the loop (``on_start``), each record's TensorBoard scalars once the
+    log has written it (``on_step_end``), the run finished after the log's summary line (``close``)."""
 
     def __init__(self, recipe):
-        wandb = require_wandb()
-        g, c = recipe.logging, recipe.checkpoint
+        self.wandb, self.recipe, self.run = require_wandb(), recipe, None
+
+    def on_start(self, state) -> None:
+        g, c = self.recipe.logging, self.recipe.checkpoint
         folder = Path(g.wandb_save_dir or Path(c.save or ".") / "wandb")
         folder.mkdir(parents=True, exist_ok=True)
         name = g.wandb_exp_name or (Path(c.save).name if c.save else None)
         kept = Path(c.save) / RUN_ID if c.save else None
         continues = kept is not None and kept.is_file() and c.load is not None and Path(c.load).resolve() == Path(c.save).resolve()
         resume = dict(id=kept.read_text().strip(), resume="allow") if continues else {}
-        self.run = wandb.init(project=g.wandb_project, name=name, dir=str(folder), config=recipe.to_dict(), mode=g.wandb_mode,
-                              **resume)
+        self.run = self.wandb.init(project=g.wandb_project, name=name, dir=str(folder), config=self.recipe.to_dict(),
+                                   mode=g.wandb_mode, **resume)
         if kept is not None and not continues:
             atomic_write(kept, self.run.id + "\n")
         if continues:
@@ -53,7 +55,8 @@ class WandbWriter(Callback):
             self.run.log(tensorboard_scalars(record), step=record["step"])
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
 
 
 def job_goodput(save: Path) -> dict:

@@ -2,7 +2,7 @@
 (``writing``), checked before loading (``manifest``, ``verify``), loaded safely and resharded to
 whatever parallel layout loads them (``reading``), in Megatron-LM's run-folder layout (``layout``),
 holding the weights, optimizer, scheduler, RNG streams and the training state (``state``). The
-policy of where a run starts is ``trainer.stages``; when it saves, ``trainer.saver``."""
+policy of where a run starts is ``trainer.stages``; when it saves, ``trainer.callbacks.checkpointer``."""
 
 from fbt_megatron.common.errors import CheckpointError
 from fbt_megatron.trainer.checkpointing.layout import TRACKER, checkpoint_dir, iterations, latest_iteration, remove_stale, retain
