@@ -198,13 +198,10 @@ def field_default(name: str):
     return found.default_factory() if found.default is dataclasses.MISSING else found.default
 
 
-def make_config(preset: str, **overrides) -> FBTConfig:
-    """An FBTConfig for a preset; ``overrides`` are any FBTConfig/TransformerConfig fields."""
+def given_fields(preset: str, **overrides) -> dict:
+    """The fields ``make_config`` gives FBTConfig: the preset's and ``overrides`` (``preset_fields``),
+    then this machine's choices (FBTConfig's defaults and ``__post_init__`` give the rest)."""
     fields = preset_fields(preset, **overrides)
-    names = {f.name for f in dataclasses.fields(FBTConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
     fields.setdefault("params_dtype", torch.float32)
     fields.setdefault("pipeline_dtype", fields["params_dtype"])  # what stages send each other
     # CPU: initialise full weights then split them, so every TP layout starts identical (PP changes
@@ -212,7 +209,15 @@ def make_config(preset: str, **overrides) -> FBTConfig:
     # or the simulated one of the tests) initialises each rank's shard where it lives, as megatron does
     fields.setdefault("use_cpu_initialization", platform.device().type == "cpu")
     fields.setdefault("apply_rope_fusion", platform.have_transformer_engine())  # TE's kernel of the same RoPE
-    return FBTConfig(**fields)
+    return fields
+
+
+def make_config(preset: str, **overrides) -> FBTConfig:
+    """An FBTConfig for a preset; ``overrides`` are any FBTConfig/TransformerConfig fields."""
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(FBTConfig)})
+    if unknown:
+        raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
+    return FBTConfig(**given_fields(preset, **overrides))
 
 
 def recipe_config(recipe, vocab_size: Optional[int] = None, **fields) -> FBTConfig:

@@ -136,12 +136,13 @@ class FlagParser(argparse.ArgumentParser):
 
 def given_model_values(preset: str, overrides: dict, names) -> dict:
     """The value a recipe of ``preset`` and model ``overrides`` gives each field in ``names``: its
-    override, else the preset's (``preset_fields``), else FBTConfig's default; not what the config's
-    ``__post_init__`` derives from it (``depth_scale`` None stays None). Imports megatron-core."""
-    from fbt_megatron.model.config import field_default, preset_fields
+    override, else the preset's, else this machine's choice (``given_fields``: CPU initialisation on
+    a CPU), else FBTConfig's default; not what the config's ``__post_init__`` derives from it
+    (``depth_scale`` None stays None). Imports megatron-core."""
+    from fbt_megatron.model.config import field_default, given_fields
 
     try:
-        given = preset_fields(preset, **overrides)
+        given = given_fields(preset, **overrides)
     except ValueError as e:
         raise RecipeError(f"model: {e}") from None
     return {name: given[name] if name in given else field_default(name) for name in names}
